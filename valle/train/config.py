@@ -1,0 +1,171 @@
+"""Trainer flags (the names VALL-E users know) and the typed config built from them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from valle.train.faults import FaultSpec, parse_fault
+from valle.train.gradsync import SYNC_MODES
+
+
+def str2bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value.lower() in ("1", "true", "yes", "y", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "n", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {value!r}")
+
+
+@dataclass
+class TrainConfig:
+    exp_dir: Path = Path("exp/valle")
+    train_stage: int = 0
+    num_epochs: int = 20
+    start_epoch: int = 1
+    start_batch: int = 0
+    max_steps: int = 0  # 0: no limit
+    seed: int = 42
+    device: str = "auto"
+    dtype: str = "float32"
+    # optimisation
+    optimizer_name: str = "ScaledAdam"
+    scheduler_name: str = "Eden"
+    base_lr: float = 0.05
+    warmup_steps: int = 200
+    lr_batches: float = 5000.0
+    lr_epochs: float = 4.0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    accumulate_grad_steps: int = 1
+    average_period: int = 0
+    # bookkeeping
+    save_every_n: int = 10000
+    keep_last_k: int = 20
+    valid_interval: int = 10000
+    log_interval: int = 10
+    tensorboard: bool = True
+    log_trained_cuts: bool = False
+    # resilience
+    grad_sync: str = "overlap"
+    bucket_cap_mb: float = 25.0
+    oom_check: bool = True
+    backward_reserve_mb: int = -1  # -1: 1024 on CUDA when the NAR is trained, else 0
+    save_oom_batches: int = 3
+    memory_snapshot: bool = False
+    inject_fault: list[FaultSpec] = field(default_factory=list)
+    inject_fault_real: bool = False
+    check_consistency_every: int = 0
+    collective_timeout: float = 300.0
+    stall_factor: float = 10.0
+    stall_min_seconds: float = 300.0
+    stall_seconds: float = 3600.0  # how long an injected stall sleeps
+    # data
+    synthetic_data: int = 0  # >0: train on that many synthetic cuts (no corpus needed)
+    synthetic_batch_size: int = 8
+    synthetic_partition: str = "rows"
+    # every flag as given (model and data flags included), for checkpoints and builders
+    args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def trains_nar(self) -> bool:
+        return self.train_stage in (0, 2)
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--exp-dir", type=Path, default=Path("exp/valle"))
+    g.add_argument("--train-stage", type=int, default=0, choices=(0, 1, 2),
+                   help="0: AR and NAR together; 1: AR only; 2: NAR only")
+    g.add_argument("--num-epochs", type=int, default=20)
+    g.add_argument("--start-epoch", type=int, default=1,
+                   help="resume from epoch-(N-1).pt; default: the newest valid checkpoint in --exp-dir")
+    g.add_argument("--start-batch", type=int, default=0, help="resume from checkpoint-N.pt")
+    g.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: no limit)")
+    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    g.add_argument("--optimizer-name", default="ScaledAdam", choices=("ScaledAdam", "AdamW", "Adam"))
+    g.add_argument("--scheduler-name", default="Eden", choices=("Eden", "Noam", "Cosine"))
+    g.add_argument("--base-lr", type=float, default=0.05)
+    g.add_argument("--warmup-steps", type=int, default=200)
+    g.add_argument("--lr-batches", type=float, default=5000.0)
+    g.add_argument("--lr-epochs", type=float, default=4.0)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--grad-clip", type=float, default=1.0,
+                   help="max gradient norm for the Adam family (ScaledAdam clips itself)")
+    g.add_argument("--accumulate-grad-steps", type=int, default=1)
+    g.add_argument("--average-period", type=int, default=0,
+                   help="update the averaged model every N steps (0: no averaged model)")
+    g.add_argument("--save-every-n", type=int, default=10000)
+    g.add_argument("--keep-last-k", type=int, default=20)
+    g.add_argument("--valid-interval", type=int, default=10000)
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--tensorboard", type=str2bool, default=True)
+    g.add_argument("--log-trained-cuts", type=str2bool, default=False,
+                   help="append each step's cut ids to <exp-dir>/trained-cuts-rank<R>.tsv")
+
+    r = parser.add_argument_group("resilience")
+    r.add_argument("--grad-sync", default="overlap", choices=SYNC_MODES)
+    r.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    r.add_argument("--oom-check", type=str2bool, default=True,
+                   help="run the pessimistic batches before training and report peak memory")
+    r.add_argument("--backward-reserve-mb", type=int, default=-1,
+                   help="contiguous block held through the NAR forward (-1: 1024 on CUDA when the "
+                        "NAR is trained; 0 disables)")
+    r.add_argument("--save-oom-batches", type=int, default=3)
+    r.add_argument("--memory-snapshot", type=str2bool, default=False,
+                   help="record CUDA allocator history and dump a snapshot at each OOM")
+    r.add_argument("--inject-fault", action="append", default=[], type=parse_fault,
+                   metavar="PHASE@STEP[:RANKS]|PHASE@cut=ID")
+    r.add_argument("--inject-fault-real", type=str2bool, default=False)
+    r.add_argument("--check-consistency-every", type=int, default=0)
+    r.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")
+    r.add_argument("--stall-factor", type=float, default=10.0)
+    r.add_argument("--stall-min-seconds", type=float, default=300.0)
+    r.add_argument("--stall-seconds", type=float, default=3600.0, help=argparse.SUPPRESS)
+
+    s = parser.add_argument_group("synthetic data")
+    s.add_argument("--synthetic-data", type=int, default=0,
+                   help="train on N synthetic cuts instead of --manifest-dir (checks, benchmarks)")
+    s.add_argument("--synthetic-batch-size", type=int, default=8)
+    s.add_argument("--synthetic-partition", default="rows", choices=("rows", "batches"))
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - {"args"}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    cfg = TrainConfig(**values, args=plain_args(args))
+    validate_config(cfg)
+    return cfg
+
+
+def plain_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Every flag as plain Python types (for checkpoints and TensorBoard)."""
+    out: dict[str, Any] = {}
+    for k, v in vars(args).items():
+        if isinstance(v, Path):
+            v = str(v)
+        elif isinstance(v, list):
+            v = [str(x) if isinstance(x, (Path, FaultSpec)) else x for x in v]
+        out[k] = v
+    return out
+
+
+def validate_config(cfg: TrainConfig) -> None:
+    def bad(flag: str, why: str) -> None:
+        raise ValueError(f"{flag}: {why}")
+
+    if cfg.accumulate_grad_steps < 1:
+        bad("--accumulate-grad-steps", "must be >= 1")
+    if cfg.dtype == "float16" and cfg.device == "cpu":
+        bad("--dtype float16", "needs a CUDA device (use bfloat16 or float32 on CPU)")
+    if cfg.save_every_n < 1 or cfg.valid_interval < 1 or cfg.log_interval < 1:
+        bad("--save-every-n/--valid-interval/--log-interval", "must be >= 1")
+    if cfg.synthetic_data == 0 and not cfg.args.get("manifest_dir"):
+        bad("--manifest-dir", "no corpus given (or pass --synthetic-data N to train on synthetic cuts)")

@@ -1,0 +1,432 @@
+"""The training loop: epochs of resilient steps, validation, logging, checkpoints.
+
+It reads top to bottom: set up, resume, scan, then for every step draw a batch
+and hand it to `ResilientStep.run`. Everything that can fail in a step lives
+in valle.train.step; this file holds no OOM handling of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from valle.train.batching import Batch, concat_batches
+from valle.train.checkpoint import (
+    apply_stage_switch,
+    find_latest_checkpoint,
+    load_checkpoint,
+    make_payload,
+    remove_old_checkpoints,
+    save_best,
+    save_checkpoint,
+)
+from valle.train.config import TrainConfig
+from valle.train.data import TrainData, build_train_data
+from valle.train.dist import DistContext, init_distributed
+from valle.train.faults import FaultInjector
+from valle.train.gradsync import build_grad_sync
+from valle.train.memory import OomReporter, configure_allocator
+from valle.train.metrics import MetricsTracker, TensorBoardLogger, ThroughputMeter, setup_logging
+from valle.train.optim import build_optimizer, build_scheduler
+from valle.train.quarantine import Quarantine
+from valle.train.scan import BatchTooLargeError, scan_pessimistic_batches
+from valle.train.step import ResilientStep, StepConfig, StepResult
+from valle.train.watchdog import StallWatchdog
+
+logger = logging.getLogger(__name__)
+
+GRAD_SCALE_COLLAPSED = 1e-4
+
+
+@dataclass
+class EpochAccount:
+    """Nothing lost: drawn = trained + quarantined + skipped, per rank and epoch."""
+
+    drawn: int = 0
+    trained: int = 0
+    quarantined: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # non-finite loss / dropped at epoch end
+    ooms: int = 0
+    retries: int = 0
+    steps: int = 0
+
+    def add(self, r: StepResult) -> None:
+        self.drawn += len(r.cuts_drawn)
+        self.trained += len(r.cuts_trained)
+        self.quarantined += r.cuts_quarantined
+        self.skipped += r.cuts_skipped
+        self.ooms += r.ooms
+        self.retries += r.attempts - 1
+
+    def balanced(self) -> bool:
+        return self.drawn == self.trained + len(self.quarantined) + len(self.skipped)
+
+
+@dataclass
+class TrainSummary:
+    steps: int = 0
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    fingerprints: dict[str, int] = field(default_factory=dict)
+    final_loss: float = float("nan")
+
+
+@dataclass
+class Run:
+    """Everything one training run holds."""
+
+    cfg: TrainConfig
+    ctx: DistContext
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler | None
+    averager: Any
+    stepper: ResilientStep
+    data: TrainData
+    quarantine: Quarantine
+    tb: TensorBoardLogger
+    watchdog: StallWatchdog
+    step: int = 0
+    epoch: int = 1
+    best_train: float = math.inf
+    best_valid: float = math.inf
+    scale_warned: bool = False
+
+
+def train(cfg: TrainConfig) -> TrainSummary:
+    configure_allocator()  # before CUDA initialises
+    ctx = init_distributed(cfg.device, cfg.collective_timeout)
+    cfg.exp_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(cfg.exp_dir / "log", ctx.rank, ctx.world_size)
+    run = build_run(cfg, ctx)
+    try:
+        return train_epochs(run)
+    finally:
+        run.watchdog.close()
+        run.tb.close()
+        run.stepper.sync.close()
+
+
+def train_epochs(run: Run) -> TrainSummary:
+    cfg, summary = run.cfg, TrainSummary()
+    if cfg.oom_check:
+        scan_pessimistic_batches(run.stepper, run.data.pessimistic_batches(), run.optimizer, cfg)
+    meter = ThroughputMeter()
+    totals = MetricsTracker()
+    for epoch in range(run.epoch, cfg.num_epochs + 1):
+        run.epoch = epoch
+        account = EpochAccount()
+        batches = run.data.train_batches(epoch)
+        while True:
+            batch = draw(batches, cfg.accumulate_grad_steps)
+            run.scheduler.step_batch(run.step)
+            with run.watchdog.step(run.step):
+                result = run.stepper.run(run.step, batch, initial_split=cfg.accumulate_grad_steps)
+            account.add(result)
+            if result.all_done:
+                break
+            run.step += 1
+            account.steps += 1
+            meter.step()
+            totals.update(step_metrics(result))
+            log_trained_cuts(run, result)
+            if run.step % cfg.log_interval == 0:
+                log_progress(run, totals, meter, account)
+                summary.final_loss = totals.normalized().get("loss", float("nan"))
+                totals = MetricsTracker()
+            if run.step % cfg.valid_interval == 0:
+                validate(run)
+            if cfg.check_consistency_every and run.step % cfg.check_consistency_every == 0:
+                run.stepper.check_consistency()
+            if run.step % cfg.save_every_n == 0:
+                save(run, f"checkpoint-{run.step}.pt")
+            if cfg.max_steps and run.step >= cfg.max_steps:
+                break
+        run.scheduler.step_epoch(epoch)
+        summary.epochs.append(close_epoch(run, epoch, account))
+        if cfg.max_steps and run.step >= cfg.max_steps:
+            break
+        save(run, f"epoch-{epoch}.pt", next_epoch=True)
+    run.stepper.flush()
+    summary.steps = run.step
+    summary.fingerprints = run.stepper.fingerprints()
+    write_json(run.cfg.exp_dir / f"summary-rank{run.ctx.rank}.json", summary.__dict__)
+    return summary
+
+
+def draw(batches: Iterator[Batch], accumulate: int) -> Batch | None:
+    """The next optimizer step's data: `accumulate` batches joined (None when dry)."""
+    drawn = [b for b in (next(batches, None) for _ in range(accumulate)) if b is not None]
+    return concat_batches(drawn) if drawn else None
+
+
+# -- construction -------------------------------------------------------------
+
+
+def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
+    from valle.models import get_model
+
+    torch.manual_seed(cfg.seed)
+    payload = find_resume_payload(cfg)
+    model = get_model(_model_params(cfg, payload)).to(ctx.device)
+    named = model.stage_parameters(cfg.train_stage)
+    optimizer = build_optimizer(cfg.optimizer_name, named, cfg.base_lr, weight_decay=cfg.weight_decay)
+    scheduler = build_scheduler(cfg.scheduler_name, optimizer, cfg.warmup_steps,
+                                total_steps=cfg.max_steps or None, lr_batches=cfg.lr_batches,
+                                lr_epochs=cfg.lr_epochs,
+                                model_dim=getattr(model, "hparams", {}).get("decoder_dim"))
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.dtype == "float16")
+    averager = None
+    if cfg.average_period > 0:
+        from valle.train.averaging import ModelAverager
+
+        averager = ModelAverager(named, cfg.average_period)
+    faults = FaultInjector(cfg.inject_fault, ctx.rank, real=cfg.inject_fault_real,
+                           stall_seconds=cfg.stall_seconds)
+    sync = build_grad_sync(cfg.grad_sync, model, [p for _, p in named], world_size=ctx.world_size,
+                           device=ctx.device, group=ctx.group, bucket_cap_mb=cfg.bucket_cap_mb)
+    quarantine = Quarantine(cfg.exp_dir / "quarantine.jsonl")
+    if cfg.memory_snapshot and ctx.device.type == "cuda":
+        torch.cuda.memory._record_memory_history(max_entries=100000)
+    stepper = ResilientStep(
+        model, optimizer, sync, ctx,
+        StepConfig(train_stage=cfg.train_stage, dtype=cfg.dtype, seed=cfg.seed,
+                   grad_clip=cfg.grad_clip if cfg.optimizer_name != "ScaledAdam" else 0.0,
+                   backward_reserve_mb=backward_reserve_mb(cfg, ctx)),
+        scaler=scaler, averager=averager, faults=faults,
+        reporter=OomReporter(cfg.exp_dir, ctx.rank, cfg.save_oom_batches, cfg.memory_snapshot),
+        quarantine=quarantine,
+    )
+    data = build_train_data(cfg, ctx, quarantine)
+    run = Run(cfg, ctx, model, optimizer, scheduler, scaler, averager, stepper, data, quarantine,
+              TensorBoardLogger(cfg.exp_dir / "tensorboard", enabled=cfg.tensorboard and ctx.is_main),
+              StallWatchdog(cfg.stall_factor, cfg.stall_min_seconds,
+                            cfg.exp_dir / "log" / f"stall-rank{ctx.rank}.txt", ctx.rank))
+    if payload is not None:
+        restore(run, payload)
+    logger.info("model: %.2f M parameters, %.2f M trained in stage %d; grad sync %s; %d rank(s) on %s",
+                sum(p.numel() for p in model.parameters()) / 1e6,
+                sum(p.numel() for _, p in named) / 1e6, cfg.train_stage, cfg.grad_sync,
+                ctx.world_size, ctx.device)
+    return run
+
+
+def _model_params(cfg: TrainConfig, payload: dict | None):
+    """Model hyper-parameters: the flags, or a checkpoint's when resuming."""
+    import argparse
+
+    from valle.models import add_model_arguments
+
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_model_arguments(defaults)
+    values = {**vars(defaults.parse_args([])), **cfg.args}
+    if payload is not None:
+        # Resuming: the architecture is the checkpoint's, whatever the flags say.
+        saved = payload.get("config", {})
+        values.update({k: saved[k] for k in vars(defaults.parse_args([])) if k in saved})
+    return argparse.Namespace(**values)
+
+
+def backward_reserve_mb(cfg: TrainConfig, ctx: DistContext) -> int:
+    if cfg.backward_reserve_mb >= 0:
+        return cfg.backward_reserve_mb
+    return 1024 if ctx.device.type == "cuda" and cfg.trains_nar else 0
+
+
+# -- resume and save ------------------------------------------------------------
+
+
+def find_resume_payload(cfg: TrainConfig) -> dict | None:
+    if cfg.start_batch > 0:
+        return load_checkpoint(cfg.exp_dir / f"checkpoint-{cfg.start_batch}.pt")
+    if cfg.start_epoch > 1:
+        return load_checkpoint(cfg.exp_dir / f"epoch-{cfg.start_epoch - 1}.pt")
+    found = find_latest_checkpoint(cfg.exp_dir)
+    if found is None:
+        return None
+    path, payload = found
+    logger.info("resuming from %s (step %d, epoch %d)", path, payload["step"], payload["epoch"])
+    return payload
+
+
+def restore(run: Run, payload: dict) -> None:
+    payload, dropped = apply_stage_switch(payload, run.cfg.train_stage)
+    if dropped:
+        logger.warning("checkpoint was trained in another stage: dropped %s; keeping the weights",
+                       ", ".join(dropped))
+    missing, unexpected = run.model.load_state_dict(payload["model"], strict=False)
+    if missing or unexpected:
+        logger.warning("checkpoint weights: %d missing, %d unexpected keys", len(missing), len(unexpected))
+    if run.averager is not None and payload.get("model_avg") is not None:
+        run.averager.load_from_model_state_dict(payload["model_avg"], strict=False)
+    if payload.get("optimizer") is not None:
+        run.optimizer.load_state_dict(payload["optimizer"])
+    if payload.get("scheduler") is not None:
+        run.scheduler.load_state_dict(payload["scheduler"])
+    if payload.get("scaler") is not None and run.scaler is not None:
+        run.scaler.load_state_dict(payload["scaler"])
+    if payload.get("sampler") is not None:
+        run.data.load_state_dict(payload["sampler"], run.ctx)
+    run.quarantine.merge(payload.get("quarantine") or [])
+    run.step, run.epoch = payload["step"], payload["epoch"]
+
+
+def save(run: Run, name: str, next_epoch: bool = False) -> None:
+    """Checkpoint on rank 0 (every rank's sampler position included)."""
+    run.stepper.flush()  # repair damaged state first: what we save is what every rank holds
+    sampler = run.data.state_dict(run.ctx, next_epoch=next_epoch)
+    if not run.ctx.is_main:
+        return
+    payload = make_payload(
+        model=run.model.state_dict(),
+        model_avg=run.averager.averaged_state_dict(run.model) if run.averager else None,
+        optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
+        scaler=run.scaler.state_dict() if run.scaler is not None and run.scaler.is_enabled() else None,
+        sampler=sampler, step=run.step,
+        epoch=run.epoch + 1 if next_epoch else run.epoch,
+        batch_in_epoch=0 if next_epoch else sampler.get("batch_in_epoch", 0),
+        train_stage=run.cfg.train_stage, config=run.cfg.args, quarantine=run.quarantine.state(),
+    )
+    path = save_checkpoint(run.cfg.exp_dir / name, payload)
+    logger.info("saved %s", path)
+    if name.startswith("checkpoint-"):
+        remove_old_checkpoints(run.cfg.exp_dir, run.cfg.keep_last_k)
+
+
+# -- validation -------------------------------------------------------------------
+
+
+@torch.no_grad()
+def validate(run: Run) -> dict[str, float]:
+    """Each rank runs its own shard without collectives; one all_reduce at the end."""
+    run.stepper.flush()
+    run.model.eval()
+    tracker = MetricsTracker({"loss": 0.0, "frames": 0.0, "valid_oom_batches": 0.0})
+    try:
+        for batch in run.data.valid_batches():
+            outcome = run.stepper.evaluate(batch)
+            tracker.update(outcome)
+    finally:
+        run.model.train()
+    tracker.reduce(run.ctx.group, device=run.ctx.device)
+    values = tracker.normalized()
+    logger.info("validation at step %d: %s", run.step, tracker)
+    run.tb.scalars(run.step, values, prefix="valid/")
+    if values.get("loss", math.inf) < run.best_valid:
+        run.best_valid = values["loss"]
+        if run.ctx.is_main:
+            save_best(run.cfg.exp_dir, "valid", _best_payload(run))
+    return values
+
+
+def _best_payload(run: Run) -> dict:
+    return make_payload(model=run.model.state_dict(),
+                        model_avg=run.averager.averaged_state_dict(run.model) if run.averager else None,
+                        step=run.step, epoch=run.epoch, train_stage=run.cfg.train_stage,
+                        config=run.cfg.args)
+
+
+# -- logging ----------------------------------------------------------------------
+
+
+def step_metrics(r: StepResult) -> dict[str, float]:
+    values = {"loss": r.loss if r.applied else 0.0, "frames": r.frames if r.applied else 0}
+    if r.applied:
+        values.update(r.metrics)
+    values.update(oom_events=r.ooms, retries=r.attempts - 1, quarantined=len(r.cuts_quarantined),
+                  skipped_steps=int(r.skipped_nonfinite), repairs=r.repairs)
+    return values
+
+
+def log_progress(run: Run, totals: MetricsTracker, meter: ThroughputMeter, account: EpochAccount) -> None:
+    values = totals.normalized()
+    lr = run.scheduler.get_last_lr()[0]
+    scale = run.scaler.get_scale() if run.scaler is not None and run.scaler.is_enabled() else None
+    total = run.cfg.max_steps or run.data.steps_hint(run.cfg.num_epochs)
+    eta = meter.eta(run.step, total) if total else "?"
+    memory = torch.cuda.max_memory_allocated(run.ctx.device) / 2**20 if run.ctx.device.type == "cuda" else 0.0
+    logger.info(
+        "epoch %d step %d | loss %.4f (ar %.4f nar %.4f) | top10 ar %.3f nar %.3f | lr %.2e | %s | ETA %s"
+        " | ooms %d retries %d quarantined %d skipped %d%s",
+        run.epoch, run.step, values.get("loss", math.nan), values.get("ar_loss", math.nan),
+        values.get("nar_loss", math.nan), values.get("ar_top10_acc", math.nan),
+        values.get("nar_top10_acc", math.nan), lr, meter, eta, int(values.get("oom_events", 0)),
+        int(values.get("retries", 0)), int(values.get("quarantined", 0)),
+        int(values.get("skipped_steps", 0)), f" | grad scale {scale:.3g}" if scale else "",
+    )
+    run.tb.scalars(run.step, {**values, "lr": lr, "grad_scale": scale, "it_per_s": meter.rate,
+                              "max_memory_mib": memory}, prefix="train/")
+    if values.get("loss", math.inf) < run.best_train and run.ctx.is_main:
+        run.best_train = values["loss"]
+    if scale is not None and scale < GRAD_SCALE_COLLAPSED and not run.scale_warned:
+        # fp16 loss scale collapsing means overflow at every step: keep what we have
+        # and tell the user, rather than dying with NaNs later.
+        run.scale_warned = True
+        logger.warning("grad scale collapsed to %.3g at step %d: saving a checkpoint; consider "
+                       "--dtype bfloat16 or a lower --base-lr", scale, run.step)
+        save(run, f"checkpoint-{run.step}.pt")
+
+
+def log_trained_cuts(run: Run, result: StepResult) -> None:
+    if not run.cfg.log_trained_cuts:
+        return
+    with open(run.cfg.exp_dir / f"trained-cuts-rank{run.ctx.rank}.tsv", "a") as f:
+        f.write(f"{result.step}\t{','.join(result.cuts_trained)}\n")
+
+
+def close_epoch(run: Run, epoch: int, account: EpochAccount) -> dict[str, Any]:
+    """Per-epoch summary across ranks: cuts drawn = trained + quarantined + skipped."""
+    counts = torch.tensor([account.drawn, account.trained, len(account.quarantined),
+                           len(account.skipped), account.ooms, account.retries],
+                          dtype=torch.float64, device=run.ctx.device)
+    if run.ctx.distributed:
+        dist.all_reduce(counts, group=run.ctx.group)
+    drawn, trained, quarantined, skipped, ooms, retries = (int(x) for x in counts.tolist())
+    record = {"epoch": epoch, "steps": account.steps, "cuts_drawn": drawn, "cuts_trained": trained,
+              "cuts_quarantined": quarantined, "cuts_skipped": skipped, "oom_events": ooms,
+              "retries": retries, "quarantined_ids": account.quarantined,
+              "skipped_ids": account.skipped, "balanced": drawn == trained + quarantined + skipped}
+    logger.info("epoch %d summary: %d steps; cuts drawn %d = trained %d + quarantined %d + skipped %d "
+                "%s; %d OOM events, %d retries", epoch, account.steps, drawn, trained, quarantined,
+                skipped, "(balanced)" if record["balanced"] else "(UNBALANCED)", ooms, retries)
+    run.tb.scalars(epoch, {"cuts_drawn": drawn, "cuts_trained": trained,
+                           "cuts_quarantined": quarantined}, prefix="epoch/")
+    write_json(run.cfg.exp_dir / f"epoch-{epoch}-summary-rank{run.ctx.rank}.json", record)
+    return record
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1, default=str))
+
+
+def main_from_config(cfg: TrainConfig) -> int:
+    """Run and map unrecoverable failures to exit codes with one clear message."""
+    from valle.train.step import ConsistencyError, DdpBackwardOomError, NoHealthyRankError
+
+    try:
+        train(cfg)
+    except NoHealthyRankError as e:
+        logger.error("%s", e)
+        return 2
+    except DdpBackwardOomError as e:
+        logger.error("%s", e)
+        return 3
+    except ConsistencyError as e:
+        logger.error("%s", e)
+        return 4
+    except BatchTooLargeError as e:
+        logger.error("%s", e)
+        return 5
+    return 0
+
+
+__all__ = ["train", "TrainSummary", "main_from_config", "Run", "EpochAccount"]

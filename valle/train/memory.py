@@ -1,0 +1,208 @@
+"""Memory: OOM detection, memory figures, the NAR backward reserve, OOM reports.
+
+Everything here is safe to call on CPU (figures are zero, the reserve is a no-op).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+# Messages of allocation failures that do not arrive as torch.OutOfMemoryError
+# (cuBLAS/cuDNN workspaces, NCCL buffers, CPU allocations).
+_OOM_MARKERS = (
+    "out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "DefaultCPUAllocator: can't allocate memory",
+)
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    if isinstance(exc, (RuntimeError, MemoryError)):
+        text = str(exc)
+        return isinstance(exc, MemoryError) or any(m in text for m in _OOM_MARKERS)
+    return False
+
+
+def configure_allocator() -> str:
+    """Ask for expandable segments unless the user chose an allocator config.
+
+    Expandable segments let the allocator grow one mapping instead of carving
+    fixed segments, which removes most of the fragmentation that makes a
+    backward pass fail with gigabytes nominally free. Must run before CUDA
+    initialises; returns the setting in force.
+    """
+    names = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+    chosen = next((os.environ[n] for n in names if n in os.environ), None)
+    if chosen is not None:
+        return chosen  # the user's choice wins
+    if not torch.cuda.is_available():
+        return ""
+    # torch >= 2.9 reads PYTORCH_ALLOC_CONF and warns about the old name.
+    new_name = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 9)
+    os.environ[names[0] if new_name else names[1]] = "expandable_segments:True"
+    return "expandable_segments:True"
+
+
+def free_memory(device: torch.device) -> None:
+    """Return cached blocks after an OOM so the retry starts from a clean pool."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def largest_free_block(device: torch.device) -> int:
+    """Largest block the caching allocator could hand out without a new cudaMalloc."""
+    best = 0
+    for segment in torch.cuda.memory_snapshot():
+        if segment.get("device") != device.index:
+            continue
+        for block in segment.get("blocks", []):
+            if block.get("state") == "inactive":
+                best = max(best, int(block.get("size", 0)))
+    return best
+
+
+def memory_figures(device: torch.device) -> dict[str, int]:
+    """Allocated, reserved, peak, free on the device and largest free cached block (bytes)."""
+    if device.type != "cuda":
+        return {"allocated": 0, "reserved": 0, "max_allocated": 0, "device_free": 0,
+                "device_total": 0, "largest_free_block": 0}
+    free, total = torch.cuda.mem_get_info(device)
+    return {
+        "allocated": torch.cuda.memory_allocated(device),
+        "reserved": torch.cuda.memory_reserved(device),
+        "max_allocated": torch.cuda.max_memory_allocated(device),
+        "device_free": int(free),
+        "device_total": int(total),
+        "largest_free_block": largest_free_block(device),
+    }
+
+
+class BackwardReserve:
+    """Holds a contiguous block during the NAR forward, released before backward.
+
+    The NAR backward needs a few large contiguous buffers; after a long forward
+    the pool can be fragmented so that they do not fit although enough memory is
+    nominally free. Holding `size_mb` through the forward and releasing it just
+    before backward hands backward one contiguous free segment (the reference
+    discussion measured blocks of ~480 MB). No-op on CPU or with size 0.
+    """
+
+    def __init__(self, device: torch.device, size_mb: int):
+        self.device = device
+        self.nbytes = size_mb * MiB if device.type == "cuda" else 0
+        self._block: torch.Tensor | None = None
+
+    def hold(self) -> None:
+        if self.nbytes and self._block is None:
+            try:
+                self._block = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            except torch.OutOfMemoryError:
+                # Not holding the reserve is not an error: the step may still fit.
+                logger.warning("could not hold the %d MiB backward reserve", self.nbytes // MiB)
+
+    def release(self) -> None:
+        self._block = None
+
+
+@dataclass
+class OomEvent:
+    """One OOM, as written to `<exp-dir>/oom/events-rank<R>.jsonl` and the log."""
+
+    phase: str
+    rank: int
+    step: int
+    attempt: int
+    split: int
+    injected: bool
+    message: str
+    cut_ids: list[str] = field(default_factory=list)
+    durations: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    text_token_lens: list[int] = field(default_factory=list)
+    audio_frame_lens: list[int] = field(default_factory=list)
+    memory: dict[str, int] = field(default_factory=dict)
+    saved_batch: str | None = None
+    time: float = field(default_factory=time.time)
+
+    def summary(self) -> str:
+        mem = self.memory
+        return (
+            f"OOM in {self.phase} on rank {self.rank} at step {self.step} (attempt {self.attempt}, "
+            f"split {self.split}): {len(self.cut_ids)} cuts, "
+            f"max duration {max(self.durations, default=0):.2f}s, "
+            f"max text tokens {max(self.text_token_lens, default=0)}, "
+            f"max frames {max(self.audio_frame_lens, default=0)}; "
+            f"allocated {mem.get('allocated', 0) / MiB:.0f} MiB, "
+            f"reserved {mem.get('reserved', 0) / MiB:.0f} MiB, "
+            f"largest free block {mem.get('largest_free_block', 0) / MiB:.0f} MiB; "
+            f"cuts {self.cut_ids[:8]}{' ...' if len(self.cut_ids) > 8 else ''}"
+        )
+
+
+def describe_batch(batch: dict[str, Any] | None) -> dict[str, list]:
+    """The per-cut facts an OOM report needs, from a (CPU) batch."""
+    if not batch:
+        return {}
+
+    def as_list(key: str) -> list:
+        value = batch.get(key)
+        if value is None:
+            return []
+        return value.tolist() if isinstance(value, torch.Tensor) else list(value)
+
+    return {
+        "cut_ids": [str(c) for c in as_list("cut_ids")],
+        "durations": [round(float(d), 3) for d in as_list("durations")],
+        "texts": [str(t) for t in as_list("text")],
+        "text_token_lens": [int(x) for x in as_list("text_tokens_lens")],
+        "audio_frame_lens": [int(x) for x in as_list("audio_features_lens")],
+    }
+
+
+class OomReporter:
+    """Writes each OOM event, saves the first few batches, optionally a CUDA snapshot."""
+
+    def __init__(self, exp_dir: str | Path | None, rank: int, save_batches: int = 3,
+                 memory_snapshots: bool = False):
+        self.dir = Path(exp_dir) / "oom" if exp_dir else None
+        self.rank = rank
+        self.save_batches = save_batches
+        self.memory_snapshots = memory_snapshots
+        self.saved = 0
+        self.events: list[OomEvent] = []
+
+    def report(self, event: OomEvent, batch: dict[str, Any] | None) -> OomEvent:
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if batch is not None and self.saved < self.save_batches:
+                name = f"batch-step{event.step}-rank{self.rank}-attempt{event.attempt}-{event.phase}.pt"
+                torch.save({k: v for k, v in batch.items()}, self.dir / name)
+                event.saved_batch = str(self.dir / name)
+                self.saved += 1
+            if self.memory_snapshots and torch.cuda.is_available():
+                path = self.dir / f"snapshot-step{event.step}-rank{self.rank}.pickle"
+                torch.cuda.memory._dump_snapshot(str(path))
+            with open(self.dir / f"events-rank{self.rank}.jsonl", "a") as f:
+                f.write(json.dumps(asdict(event)) + "\n")
+        self.events.append(event)
+        logger.warning("%s", event.summary())
+        return event

@@ -1,0 +1,121 @@
+"""The pre-training pessimistic scan (`--oom-check`).
+
+Runs the batches most likely to run out of memory (longest audio, longest
+text, and whatever lhotse's `find_pessimistic_batches` picks) exactly as
+training runs them: autocast dtype, GradScaler-scaled backward, backward
+reserve held, optimizer state materialised. The reference discussion's OOM
+happened in the loss-scaling step the original scan skipped; this one runs it.
+
+Prints criterion, batch size, peak memory and headroom. If a batch does not
+fit, halves it until it does and names the flag to lower and a value that
+would fit; every rank agrees (one all_reduce) and all stop together.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from valle.train.batching import Batch, batch_size, frame_count, select_rows
+from valle.train.config import TrainConfig
+from valle.train.dist import all_reduce_sum
+from valle.train.memory import MiB, free_memory, is_oom_error
+
+logger = logging.getLogger(__name__)
+
+
+class BatchTooLargeError(RuntimeError):
+    """A pessimistic batch does not fit; the message names the flag and a value."""
+
+
+@dataclass
+class ScanRow:
+    criterion: str
+    cuts: int
+    frames: int
+    text_tokens: int
+    peak_bytes: int
+    total_bytes: int
+    fits: bool
+    fitting_fraction: float = 1.0
+
+    def line(self) -> str:
+        if self.total_bytes:
+            mem = (f"{self.peak_bytes / MiB:9.0f} MiB  {(self.total_bytes - self.peak_bytes) / MiB:9.0f} MiB")
+        else:
+            mem = f"{'n/a (CPU)':>13}  {'n/a':>13}"
+        return (f"{self.criterion:<22} {self.cuts:>5} {self.frames:>7} {self.text_tokens:>7}  {mem}  "
+                f"{'ok' if self.fits else 'OOM'}")
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes the optimizer's state will take once created (two fp32 moments per element)."""
+    if any(optimizer.state.values()):
+        return 0  # already materialised (resumed run)
+    return sum(2 * p.numel() * 4 for g in optimizer.param_groups for p in g["params"])
+
+
+def scan_pessimistic_batches(stepper, batches: dict[str, Batch], optimizer, cfg: TrainConfig) -> list[ScanRow]:
+    device = stepper.device
+    ballast = None
+    nbytes = optimizer_state_bytes(optimizer)
+    if device.type == "cuda" and nbytes:
+        ballast = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rows = [_try_batch(stepper, name, batch) for name, batch in batches.items()]
+    del ballast
+    free_memory(device)
+    header = (f"{'criterion':<22} {'cuts':>5} {'frames':>7} {'text':>7}  {'peak':>13}  "
+              f"{'headroom':>13}  result")
+    logger.info("pessimistic batches (%s, GradScaler %s, reserve %d MiB):\n%s\n%s", cfg.dtype,
+                "on" if cfg.dtype == "float16" else "off", stepper.reserve.nbytes // MiB, header,
+                "\n".join(r.line() for r in rows))
+    failed = torch.tensor([float(not all(r.fits for r in rows))], device=device)
+    all_reduce_sum(failed, stepper.ctx)
+    if failed.item() > 0:
+        advice = [_advice(r, cfg) for r in rows if not r.fits]
+        raise BatchTooLargeError(
+            "the pessimistic scan ran out of memory on "
+            + (", ".join(advice) if advice else "another rank (see its log)")
+            + " (or pass --oom-check false to train anyway: the resilient step will split such batches)")
+    return rows
+
+
+def _try_batch(stepper, name: str, batch: Batch) -> ScanRow:
+    device = stepper.device
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+    fraction, current = 1.0, batch
+    while True:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        ok = _fits(stepper, current)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        if ok or batch_size(current) == 1:
+            break
+        fraction /= 2
+        current = select_rows(batch, range(max(1, int(batch_size(batch) * fraction))))
+    text = int(batch["text_tokens_lens"].sum())
+    return ScanRow(name, batch_size(batch), frame_count(batch), text, peak, total,
+                   fits=fraction == 1.0 and ok, fitting_fraction=fraction if ok else 0.0)
+
+
+def _fits(stepper, batch: Batch) -> bool:
+    try:
+        stepper.trial(batch)
+        return True
+    except Exception as exc:  # noqa: BLE001
+        if not is_oom_error(exc):
+            raise
+    stepper._cleanup()
+    return False
+
+
+def _advice(row: ScanRow, cfg: TrainConfig) -> str:
+    flag = "--max-text-tokens" if "text" in row.criterion else "--max-duration"
+    current = cfg.args.get(flag[2:].replace("-", "_"))
+    if row.fitting_fraction > 0 and current:
+        # 10% margin: peak memory grows slightly faster than linearly with batch size.
+        return (f"'{row.criterion}' ({row.cuts} cuts): lower {flag} from {current} to about "
+                f"{current * row.fitting_fraction * 0.9:.0f}")
+    return f"'{row.criterion}' ({row.cuts} cuts): even one cut does not fit; lower {flag} or the model size"

@@ -1,0 +1,89 @@
+"""Stall watchdog: a step that runs far longer than usual ends the run, loudly.
+
+A hang in a collective (a peer stuck, a mismatch the backend cannot see) shows
+up as a step that never ends. A daemon thread compares the running step's age
+with the recent median; past `max(stall_min_seconds, stall_factor * median)`
+it writes every thread's Python stack to the log and stderr and exits the
+process non-zero, so torchrun (or the user) sees a failure instead of a node
+that burns hours silently. Every rank runs its own watchdog: the stalled rank
+and the ranks waiting for it all dump their stacks.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+STALL_EXIT_CODE = 75
+
+
+class StallWatchdog:
+    def __init__(self, stall_factor: float, stall_min_seconds: float, dump_path: Path | None,
+                 rank: int = 0, history: int = 50, poll_seconds: float = 0.5):
+        self.factor = stall_factor
+        self.min_seconds = stall_min_seconds
+        self.dump_path = dump_path
+        self.rank = rank
+        self.durations: deque[float] = deque(maxlen=history)
+        self.poll_seconds = poll_seconds
+        self._started: float | None = None
+        self._step = -1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="stall-watchdog", daemon=True)
+        self._thread.start()
+
+    def limit(self) -> float:
+        median = statistics.median(self.durations) if self.durations else 0.0
+        return max(self.min_seconds, self.factor * median)
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        self._step, self._started = step, time.monotonic()
+        try:
+            yield
+        finally:
+            self.durations.append(time.monotonic() - self._started)
+            self._started = None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            started = self._started
+            if started is None:
+                continue
+            age = time.monotonic() - started
+            if age > self.limit():
+                self._fire(age)
+
+    def _fire(self, age: float) -> None:
+        message = (f"rank {self.rank}: step {self._step} has run {age:.0f} s, over the stall limit "
+                   f"of {self.limit():.0f} s (--stall-factor {self.factor} x median step, at least "
+                   f"--stall-min-seconds {self.min_seconds}); stacks of every thread follow, then "
+                   f"exit {STALL_EXIT_CODE}")
+        logger.error(message)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        print(message, file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if self.dump_path is not None:
+            self.dump_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.dump_path, "a") as f:
+                f.write(message + "\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        # os._exit: the main thread is stuck (in a collective or a sleep); a normal
+        # exit would wait for it forever.
+        os._exit(STALL_EXIT_CODE)
+
+    def close(self) -> None:
+        self._stop.set()
