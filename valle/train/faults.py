@@ -14,6 +14,8 @@ Inert unless given: `FaultInjector([])` costs one attribute check per phase.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -26,7 +28,9 @@ logger = logging.getLogger(__name__)
 OOM_PHASES = ("to_device", "forward", "backward", "grad_sync", "optimizer", "average")
 # Phases in which a cut-targeted fault makes sense: the cut's data is in play.
 CUT_PHASES = ("to_device", "forward", "backward")
-ALL_PHASES = (*OOM_PHASES, "stall")
+# stall: sleep inside the step (watchdog tests); nonfinite: make this rank's loss NaN
+# (vote tests); kill: SIGKILL this process, first launch only (elastic-restart tests).
+ALL_PHASES = (*OOM_PHASES, "stall", "nonfinite", "kill")
 
 
 class InjectedOutOfMemoryError(torch.OutOfMemoryError):
@@ -132,6 +136,21 @@ class FaultInjector:
             self.fired.append(("stall", self.step, self.attempt))
             logger.warning("injected stall: sleeping %.0f s at step %d", self.stall_seconds, self.step)
             time.sleep(self.stall_seconds)
+
+    def poison_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.specs and self._should_fire("nonfinite", None):
+            self.fired.append(("nonfinite", self.step, self.attempt))
+            return loss * float("nan")
+        return loss
+
+    def maybe_kill(self) -> None:
+        # Only in the first launch: after torchrun restarts the workers the run
+        # must be able to pass this step.
+        if (self.specs and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+                and self._should_fire("kill", None)):
+            logger.warning("injected kill: SIGKILL to myself at step %d", self.step)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
 
     @contextmanager
     def memory_pressure(self, phase: str, cut_ids: Sequence[str] | None, device) -> Iterator[None]:

@@ -77,6 +77,10 @@ class TrainSummary:
     epochs: list[dict[str, Any]] = field(default_factory=list)
     fingerprints: dict[str, int] = field(default_factory=dict)
     final_loss: float = float("nan")
+    model_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # not in the JSON
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "model_state"}
 
 
 @dataclass
@@ -159,7 +163,8 @@ def train_epochs(run: Run) -> TrainSummary:
     run.stepper.flush()
     summary.steps = run.step
     summary.fingerprints = run.stepper.fingerprints()
-    write_json(run.cfg.exp_dir / f"summary-rank{run.ctx.rank}.json", summary.__dict__)
+    summary.model_state = run.model.state_dict()
+    write_json(run.cfg.exp_dir / f"summary-rank{run.ctx.rank}.json", summary.to_json())
     return summary
 
 

@@ -236,7 +236,7 @@ class ResilientStep:
                 result.skipped_nonfinite = True
                 result.cuts_skipped += list(batch["cut_ids"]) if batch else []
                 return result
-            self._apply(step, vote.frames)
+            result.ooms += int(not self._apply(step, vote.frames))
             result.applied = True
             result.cuts_trained += list(batch["cut_ids"]) if batch else []
             return result
@@ -415,6 +415,7 @@ class ResilientStep:
         seeds = torch.tensor([sample_seed(self.cfg.seed, step, c) for c in ids], dtype=torch.long,
                              device=self.device)
         self._phase = "forward"
+        self.faults.maybe_kill()
         self.faults.maybe_stall()
         self.faults.maybe_fail("forward", ids, self.device)
         self.reserve.hold()
@@ -428,7 +429,7 @@ class ResilientStep:
                 prompt_features=on_device.get("prompt_features"),
                 prompt_features_lens=on_device.get("prompt_features_lens"),
             )
-        return loss.float(), metrics
+        return self.faults.poison_loss(loss.float()), metrics
 
     def _backward(self, loss: torch.Tensor, micro: Batch, last: bool) -> None:
         ids = micro["cut_ids"]
@@ -447,8 +448,9 @@ class ResilientStep:
         self.faults.maybe_fail("grad_sync", None, self.device)
         self._phase = previous
 
-    def _apply(self, step: int, global_frames: int) -> None:
-        """Normalise, step the optimizer, update the averaged model; OOMs mark the state damaged."""
+    def _apply(self, step: int, global_frames: int) -> bool:
+        """Normalise, step the optimizer, update the averaged model. False after an OOM,
+        which marks this rank's state damaged (repaired at the next vote)."""
         self.sync.scale_(1.0 / max(global_frames, 1))
         try:
             self._phase = "optimizer"
@@ -472,10 +474,11 @@ class ResilientStep:
             failure = self._failure(exc, None)
         else:
             self._phase = "idle"
-            return
+            return True
         self._cleanup()
         self._report(step, failure, None)
         self.state_damaged = True
+        return False
 
     # -- the vote and its consequences -----------------------------------------
 

@@ -1,0 +1,577 @@
+"""Optimizers and learning-rate schedules for the VALL-E trainer.
+
+* ``ScaledAdam``: the idea of icefall's ScaledAdam (Daniel Povey), written anew.
+  Each non-scalar parameter's Adam update is scaled by the parameter's RMS, so
+  the relative change per step is the same whatever the tensor's magnitude; the
+  overall size of each tensor is learned separately (a scalar "scale" update
+  driven by ``sum(p * grad)``); scalars get plain Adam with a smaller lr. No
+  weight decay. Gradients are clipped against ``clipping_scale`` times the
+  median of recent (RMS-weighted) gradient norms.
+* ``Eden``, ``NoamScheduler``, ``CosineScheduler``: batch/epoch driven
+  schedules with one interface (``step_batch``, ``step_epoch``, ``get_last_lr``,
+  ``state_dict``, ``load_state_dict``).
+
+Rules this module keeps because the trainer holds ``param.grad`` as views into
+flat all-reduce buffers and allows one host sync per step:
+
+1. ``p.grad`` is only read (never reassigned, never set to None); clipping
+   works on a scaled temporary.
+2. ``step()`` performs no host sync: no ``.item()``/``.cpu()``/``.tolist()``
+   and no Python branch on a tensor value; clipping factors are tensors.
+3. ScaledAdam creates the state of every parameter of a group on its first
+   ``step()`` (grad or no grad), so every rank holds the same structure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = [
+    "ScaledAdam",
+    "LRScheduler",
+    "Eden",
+    "NoamScheduler",
+    "CosineScheduler",
+    "build_optimizer",
+    "build_scheduler",
+    "clip_grad_norm_",
+    "OPTIMIZERS",
+    "SCHEDULERS",
+]
+
+OPTIMIZERS = ("ScaledAdam", "AdamW", "Adam")
+SCHEDULERS = ("Eden", "Noam", "Cosine")
+
+# icefall re-estimates the clipping threshold early (with a 2x margin) because
+# the gradient norm moves fast at the start of training.
+_IRREGULAR_THRESHOLD_STEPS = (10, 20, 40)
+
+
+def _lower_median(x: Tensor) -> Tensor:
+    """Median of the finite entries of a 1-D tensor, NaN if none; on device, no sync."""
+    finite = torch.isfinite(x)
+    # Non-finite entries (the NaN fill of an unused slot) sort to the end.
+    masked = torch.where(finite, x, torch.full_like(x, float("inf")))
+    sorted_x = torch.sort(masked).values
+    count = finite.sum()
+    idx = torch.clamp((count - 1) // 2, min=0).view(1)
+    med = sorted_x.gather(0, idx).squeeze(0)
+    return torch.where(count > 0, med, torch.full_like(med, float("nan")))
+
+
+class ScaledAdam(Optimizer):
+    """Adam whose update is proportional to each parameter's RMS.
+
+    Args:
+      params: parameters, ``(name, parameter)`` pairs, or param groups.
+      lr: learning rate (typically 0.01-0.05; much larger than for Adam,
+        because the update is relative to the parameter's size).
+      clipping_scale: clip the gradient when its RMS-weighted norm exceeds
+        ``clipping_scale`` times the median of the last
+        ``clipping_update_period`` norms; ``None`` disables clipping.
+      betas: momentum and second-moment decay.
+      scalar_lr_scale: lr factor for scalar parameters and for the learned
+        size of the non-scalar ones.
+      eps: Adam epsilon.
+      param_min_rms / param_max_rms: bounds for the learned size of a tensor.
+      scalar_max: scalars are clamped to [-scalar_max, scalar_max].
+      size_update_period: the tensor size (scale) is updated every this many steps.
+      clipping_update_period: the clipping threshold is re-estimated every
+        this many steps.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 3e-2,
+        clipping_scale: float | None = None,
+        betas: tuple[float, float] = (0.9, 0.98),
+        scalar_lr_scale: float = 0.1,
+        eps: float = 1.0e-8,
+        param_min_rms: float = 1.0e-5,
+        param_max_rms: float = 3.0,
+        scalar_max: float = 10.0,
+        size_update_period: int = 4,
+        clipping_update_period: int = 100,
+    ) -> None:
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"invalid betas {betas}")
+        if clipping_scale is not None and clipping_scale <= 0:
+            raise ValueError(f"clipping_scale must be positive or None, got {clipping_scale}")
+        defaults = dict(
+            lr=lr,
+            clipping_scale=clipping_scale,
+            betas=betas,
+            scalar_lr_scale=scalar_lr_scale,
+            eps=eps,
+            param_min_rms=param_min_rms,
+            param_max_rms=param_max_rms,
+            scalar_max=scalar_max,
+            size_update_period=size_update_period,
+            clipping_update_period=clipping_update_period,
+        )
+        super().__init__(params, defaults)
+
+    # ----------------------------------------------------------------- state
+
+    def _init_group_state(self, group: dict) -> None:
+        """Create the state of every parameter of ``group`` that has none yet."""
+        params = group["params"]
+        for p in params:
+            state = self.state[p]
+            if len(state) > 0:
+                continue
+            state["step"] = 0
+            # Momentum of the update (the change applied to p), fp32.
+            state["delta"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            if p.numel() > 1:
+                rms = p.detach().float().pow(2).mean().sqrt()
+                state["param_rms"] = rms
+                state["scale_exp_avg_sq"] = torch.zeros_like(rms)
+                state["scale_grads"] = torch.zeros(
+                    group["size_update_period"], device=p.device, dtype=torch.float32
+                )
+        first = self.state[params[0]]
+        if "model_norms" not in first:
+            dev = params[0].device
+            # Group-level clipping state lives in the first parameter's state
+            # (as in icefall) so the ordinary state_dict carries it.
+            first["model_norms"] = torch.full(
+                (group["clipping_update_period"],), float("nan"), device=dev
+            )
+            # torch.full, not torch.tensor: no host-to-device copy (and sync).
+            first["clip_threshold"] = torch.full((), float("inf"), device=dev)
+            first["clip_factor"] = torch.full((), 1.0, device=dev)
+            first["grad_norm"] = torch.full((), 0.0, device=dev)
+            first["num_clipped"] = torch.full((), 0.0, device=dev)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load, then restore each state tensor's saved dtype.
+
+        torch's loader casts floating state to the parameter's dtype; our
+        statistics are fp32 whatever the parameter is, so undo that cast.
+        """
+        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if index in saved:
+                    for key, value in saved[index].items():
+                        cur = self.state[p].get(key)
+                        if isinstance(value, Tensor) and isinstance(cur, Tensor):
+                            if cur.dtype != value.dtype:
+                                self.state[p][key] = cur.to(value.dtype)
+                index += 1
+
+    # -------------------------------------------------------------- clipping
+
+    def _clipping_factor(self, group: dict) -> Tensor | None:
+        """Compute the clipping factor for ``group`` as a 0-dim device tensor.
+
+        Returns None when clipping is disabled. The factor is 0 when the
+        gradient norm is not finite (the gradient is then ignored, as icefall
+        does), else ``min(1, threshold / norm)``.
+        """
+        clipping_scale = group["clipping_scale"]
+        if clipping_scale is None:
+            return None
+        params = group["params"]
+        first = self.state[params[0]]
+        step = first["step"]
+        period = group["clipping_update_period"]
+        scalar_lr_scale = group["scalar_lr_scale"]
+
+        weighted = []
+        for p in params:
+            if p.grad is None:
+                continue
+            norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+            state = self.state[p]
+            # A gradient matters in proportion to the parameter's size, since
+            # the update is relative to it.
+            weighted.append(norm * (state["param_rms"] if p.numel() > 1 else scalar_lr_scale))
+        if not weighted:
+            return None
+        tot_norm = torch.linalg.vector_norm(torch.stack(weighted))
+        finite = torch.isfinite(tot_norm)
+
+        norms = first["model_norms"]
+        norms.select(0, step % period).copy_(
+            torch.where(finite, tot_norm, torch.full_like(tot_norm, float("nan")))
+        )
+        irregular = step in _IRREGULAR_THRESHOLD_STEPS and step < period
+        if (step > 0 and step % period == 0) or irregular:
+            median = _lower_median(norms)
+            threshold = median * (clipping_scale * (2.0 if irregular else 1.0))
+            threshold = torch.where(
+                torch.isnan(threshold), torch.full_like(threshold, float("inf")), threshold
+            )
+            first["clip_threshold"].copy_(threshold)
+
+        factor = torch.clamp(first["clip_threshold"] / (tot_norm + 1.0e-20), max=1.0)
+        factor = torch.where(finite, factor, torch.zeros_like(factor))
+        first["grad_norm"].copy_(tot_norm)
+        first["clip_factor"].copy_(factor)
+        first["num_clipped"].add_((factor < 1.0).float())
+        return factor
+
+    def clipping_stats(self) -> dict[str, Tensor]:
+        """Last grad norm, clip factor, threshold and clipped-step count, as
+        device tensors of the first group (read them when you sync anyway)."""
+        group = self.param_groups[0]
+        first = self.state[group["params"][0]]
+        if "model_norms" not in first:
+            return {}
+        return {
+            "grad_norm": first["grad_norm"],
+            "clip_factor": first["clip_factor"],
+            "clip_threshold": first["clip_threshold"],
+            "num_clipped": first["num_clipped"],
+        }
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._init_group_state(group)
+            factor = self._clipping_factor(group)
+            for p in group["params"]:
+                self._step_param(group, p, self.state[p], factor)
+        return loss
+
+    def _step_param(self, group: dict, p: Tensor, state: dict, factor: Tensor | None) -> None:
+        if p.grad is None:
+            # Not used this step: a zero gradient keeps every rank's state
+            # identical (the momentum still decays and moves p).
+            grad = torch.zeros_like(p, dtype=torch.float32)
+        elif p.grad.is_sparse:
+            raise RuntimeError("ScaledAdam does not support sparse gradients")
+        elif factor is not None:
+            # A new tensor: p.grad itself (a view into the sync buffer) is untouched.
+            # nan_to_num: when the norm is not finite factor is 0 and inf*0 = nan.
+            grad = torch.nan_to_num_(p.grad.float() * factor, nan=0.0, posinf=0.0, neginf=0.0)
+        else:
+            grad = p.grad.float()
+
+        step = state["step"]
+        beta1, beta2 = group["betas"]
+        delta = state["delta"]
+        delta.mul_(beta1)
+        if p.numel() > 1:
+            period = group["size_update_period"]
+            state["scale_grads"].select(0, step % period).copy_((p.float() * grad).sum())
+            if step % period == period - 1:
+                state["param_rms"].copy_(p.detach().float().pow(2).mean().sqrt())
+                if step > 0:
+                    self._size_update(group, p, state)
+            self._step_tensor(group, p, grad, state)
+        else:
+            self._step_scalar(group, p, grad, state)
+        state["step"] = step + 1
+
+    def _size_update(self, group: dict, p: Tensor, state: dict) -> None:
+        """Learn the overall size of ``p`` from the accumulated ``sum(p * grad)``."""
+        beta1, beta2 = group["betas"]
+        size_lr = group["lr"] * group["scalar_lr_scale"]
+        scale_grads = state["scale_grads"]
+        period = scale_grads.shape[0]
+        # The size is updated once per period, so its statistics decay faster.
+        beta2_corr = beta2**period
+        scale_exp_avg_sq = state["scale_exp_avg_sq"]
+        scale_exp_avg_sq.mul_(beta2_corr).add_(scale_grads.pow(2).mean(), alpha=1 - beta2_corr)
+        size_step = (state["step"] + 1) // period
+        bias_correction2 = 1 - beta2_corr**size_step
+        denom = scale_exp_avg_sq.sqrt() + group["eps"]
+        scale_step = -size_lr * (bias_correction2**0.5) * scale_grads.sum() / denom
+        param_rms = state["param_rms"]
+        # Too small: stop shrinking. Too large: shrink at the maximum rate.
+        scale_step = torch.where(
+            param_rms < group["param_min_rms"], torch.zeros_like(scale_step), scale_step
+        )
+        scale_step = torch.where(
+            param_rms > group["param_max_rms"],
+            torch.full_like(scale_step, -size_lr * period),
+            scale_step,
+        )
+        state["delta"].add_(p.float() * scale_step, alpha=1 - beta1)
+
+    def _step_tensor(self, group: dict, p: Tensor, grad: Tensor, state: dict) -> None:
+        beta1, beta2 = group["betas"]
+        exp_avg_sq = state["exp_avg_sq"]
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction2 = 1 - beta2 ** (state["step"] + 1)
+        if bias_correction2 < 0.99:
+            denom = (exp_avg_sq * (1.0 / bias_correction2)).sqrt_()
+        else:
+            denom = exp_avg_sq.sqrt()
+        denom.add_(group["eps"])
+        # The update is relative to the parameter's RMS.
+        alpha = state["param_rms"].clamp(min=group["param_min_rms"]) * (-group["lr"] * (1 - beta1))
+        delta = state["delta"]
+        # Not in place on grad: without clipping it is p.grad itself.
+        delta.add_(grad / denom * alpha)
+        p.add_(delta.to(p.dtype))
+
+    def _step_scalar(self, group: dict, p: Tensor, grad: Tensor, state: dict) -> None:
+        beta1, beta2 = group["betas"]
+        lr = group["lr"] * group["scalar_lr_scale"]
+        exp_avg_sq = state["exp_avg_sq"]
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction2 = 1 - beta2 ** (state["step"] + 1)
+        denom = (exp_avg_sq / bias_correction2).sqrt_().add_(group["eps"])
+        delta = state["delta"]
+        delta.add_(grad / denom, alpha=-lr * (1 - beta1))
+        p.clamp_(min=-group["scalar_max"], max=group["scalar_max"])
+        p.add_(delta.to(p.dtype))
+
+
+# --------------------------------------------------------------------------
+# Gradient clipping for the Adam family
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: Iterable[Tensor], max_norm: float) -> Tensor:
+    """Scale gradients in place so their global L2 norm is at most ``max_norm``.
+
+    Returns the norm before clipping as a 0-dim tensor (no host sync). Grads
+    are modified in place, never replaced. A non-finite norm leaves them
+    non-finite: the step's vote is what skips such a step.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    first_device = grads[0].device
+    norms = []
+    for device_grads in by_device.values():
+        norms.extend(n.float().to(first_device) for n in torch._foreach_norm(device_grads))
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    coef = torch.clamp(max_norm / (total + 1.0e-6), max=1.0)
+    for device, device_grads in by_device.items():
+        torch._foreach_mul_(device_grads, coef.to(device))
+    return total
+
+
+# --------------------------------------------------------------------------
+# Schedulers
+
+
+class LRScheduler:
+    """Base of the batch/epoch driven schedules.
+
+    ``step_batch(step)`` is called after each optimizer step with the number of
+    steps done; ``step_epoch(epoch)`` at the start of an epoch (icefall passes
+    ``epoch - 1``). The lr of every group is ``base_lr * factor(batch, epoch)``
+    where ``base_lr`` is the group's lr when the scheduler was created.
+    """
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+        self.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+        self.batch = 0
+        self.epoch = 0
+        self._last_lr = list(self.base_lrs)
+        self._set_lrs()
+
+    def factor(self) -> float:
+        raise NotImplementedError
+
+    def get_lr(self) -> list[float]:
+        f = self.factor()
+        return [base * f for base in self.base_lrs]
+
+    def _set_lrs(self) -> None:
+        lrs = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = lrs
+
+    def get_last_lr(self) -> list[float]:
+        return list(self._last_lr)
+
+    def step_batch(self, step: int | None = None) -> None:
+        self.batch = self.batch + 1 if step is None else int(step)
+        self._set_lrs()
+
+    def step_epoch(self, epoch: int | None = None) -> None:
+        self.epoch = self.epoch + 1 if epoch is None else int(epoch)
+        self._set_lrs()
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "optimizer"}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.__dict__.update(state_dict)
+        self._set_lrs()
+
+
+class Eden(LRScheduler):
+    """icefall's Eden schedule.
+
+    lr = base_lr * ((batch² + lr_batches²) / lr_batches²) ** -0.25
+                 * ((epoch² + lr_epochs²) / lr_epochs²) ** -0.25 * warmup,
+    warmup rising linearly from ``warmup_start`` to 1 over ``warmup_batches``.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        lr_batches: float = 5000,
+        lr_epochs: float = 4,
+        warmup_batches: float = 500.0,
+        warmup_start: float = 0.5,
+    ) -> None:
+        self.lr_batches = float(lr_batches)
+        self.lr_epochs = float(lr_epochs)
+        self.warmup_batches = float(warmup_batches)
+        self.warmup_start = float(warmup_start)
+        super().__init__(optimizer)
+
+    def factor(self) -> float:
+        b, e = float(self.batch), float(self.epoch)
+        f = ((b**2 + self.lr_batches**2) / self.lr_batches**2) ** -0.25
+        f *= ((e**2 + self.lr_epochs**2) / self.lr_epochs**2) ** -0.25
+        if b < self.warmup_batches:
+            f *= self.warmup_start + (1.0 - self.warmup_start) * b / self.warmup_batches
+        return f
+
+
+class NoamScheduler(LRScheduler):
+    """Noam schedule, normalised so the peak (at ``warmup_steps``) is base_lr.
+
+    With n = batch + 1 (the step about to be taken):
+    lr = base_lr * min(n / warmup, sqrt(warmup / n)).
+    With ``model_dim`` set, the original formula of the Transformer paper (and
+    of the VALL-E recipes) is used instead:
+    lr = base_lr * model_dim**-0.5 * min(n**-0.5, n * warmup**-1.5).
+    """
+
+    def __init__(
+        self, optimizer: Optimizer, warmup_steps: int = 200, model_dim: int | None = None
+    ) -> None:
+        if warmup_steps <= 0:
+            raise ValueError("NoamScheduler needs warmup_steps > 0")
+        self.warmup_steps = int(warmup_steps)
+        self.model_dim = model_dim
+        super().__init__(optimizer)
+
+    def factor(self) -> float:
+        n = float(self.batch + 1)
+        w = float(self.warmup_steps)
+        if self.model_dim is not None:
+            return self.model_dim**-0.5 * min(n**-0.5, n * w**-1.5)
+        return min(n / w, math.sqrt(w / n))
+
+
+class CosineScheduler(LRScheduler):
+    """Linear warm-up to base_lr, then a cosine decay to ``min_lr_ratio * base_lr``.
+
+    With n = batch + 1: warm-up factor n / warmup while n < warmup; then
+    progress = (n - warmup) / (total - warmup), clamped to [0, 1].
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        warmup_steps: int,
+        total_steps: int,
+        min_lr_ratio: float = 0.0,
+    ) -> None:
+        if total_steps <= warmup_steps:
+            raise ValueError(
+                f"CosineScheduler needs total_steps ({total_steps}) > warmup_steps ({warmup_steps})"
+            )
+        self.warmup_steps = int(warmup_steps)
+        self.total_steps = int(total_steps)
+        self.min_lr_ratio = float(min_lr_ratio)
+        super().__init__(optimizer)
+
+    def factor(self) -> float:
+        n = float(self.batch + 1)
+        if n < self.warmup_steps:
+            return n / self.warmup_steps
+        progress = (n - self.warmup_steps) / (self.total_steps - self.warmup_steps)
+        progress = min(max(progress, 0.0), 1.0)
+        cos = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cos
+
+
+# --------------------------------------------------------------------------
+# Factories
+
+
+def build_optimizer(
+    name: str,
+    named_params: Sequence[tuple[str, torch.nn.Parameter]],
+    base_lr: float,
+    weight_decay: float = 1e-2,
+    betas: tuple[float, float] = (0.9, 0.95),
+    clipping_scale: float | None = 2.0,
+    clipping_update_period: int = 1000,
+    eps: float = 1e-8,
+) -> Optimizer:
+    """Build the optimizer over ``named_params`` (the trained stage's parameters).
+
+    Defaults follow the VALL-E recipes: betas (0.9, 0.95); ScaledAdam with
+    clipping_scale 2.0 and a threshold re-estimated every 1000 steps (it takes
+    no weight decay); AdamW with weight_decay 0.01; Adam without.
+    """
+    named_params = list(named_params)
+    if not named_params:
+        raise ValueError("build_optimizer: no parameters to optimise")
+    if name == "ScaledAdam":
+        return ScaledAdam(
+            named_params,
+            lr=base_lr,
+            betas=betas,
+            clipping_scale=clipping_scale,
+            clipping_update_period=clipping_update_period,
+        )
+    if name == "AdamW":
+        return torch.optim.AdamW(
+            named_params, lr=base_lr, betas=betas, weight_decay=weight_decay, eps=eps
+        )
+    if name == "Adam":
+        return torch.optim.Adam(named_params, lr=base_lr, betas=betas, eps=eps)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
+
+
+def build_scheduler(
+    name: str,
+    optimizer: Optimizer,
+    warmup_steps: int,
+    total_steps: int | None = None,
+    lr_batches: float = 5000,
+    lr_epochs: float = 4,
+    model_dim: int | None = None,
+    min_lr_ratio: float = 0.0,
+) -> LRScheduler:
+    """Build a schedule by name ("Eden", "Noam", "Cosine"; case-insensitive)."""
+    key = name.lower()
+    if key == "eden":
+        return Eden(optimizer, lr_batches=lr_batches, lr_epochs=lr_epochs, warmup_batches=warmup_steps)
+    if key == "noam":
+        return NoamScheduler(optimizer, warmup_steps=warmup_steps, model_dim=model_dim)
+    if key == "cosine":
+        if total_steps is None:
+            raise ValueError("the Cosine schedule needs total_steps")
+        return CosineScheduler(
+            optimizer, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio
+        )
+    raise ValueError(f"unknown scheduler {name!r}; choose one of {SCHEDULERS}")

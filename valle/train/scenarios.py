@@ -1,0 +1,35 @@
+"""Training runs used by the multi-rank tests, `make bench` and `make gpu-check`.
+
+Each function runs inside a rank started by `valle.train.harness.run_world` and
+returns plain data (pickled back to the caller).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# A model small enough for 4 gloo ranks on 2 cores.
+TINY_MODEL = ["--decoder-dim", "32", "--nhead", "2", "--num-decoder-layers", "1", "--dropout", "0",
+              "--device", "cpu", "--tensorboard", "false", "--oom-check", "false"]
+
+
+def train_worker(rank: int, world_size: int, argv: list[str]) -> dict[str, Any]:
+    """Run the trainer in this rank; report its summary, final parameters, or its clean failure."""
+    from valle.train.cli import parse_config
+    from valle.train.loop import train
+    from valle.train.step import ConsistencyError, DdpBackwardOomError, NoHealthyRankError
+
+    cfg = parse_config(argv)
+    try:
+        summary = train(cfg)
+    except (NoHealthyRankError, DdpBackwardOomError, ConsistencyError) as exc:
+        return {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+    params = {k: v.detach().cpu().clone() for k, v in (summary.model_state or {}).items()}
+    return {"ok": True, "summary": summary.to_json(), "params": params}
+
+
+def matrix_worker(rank: int, world_size: int, runs: list[tuple[str, list[str]]]) -> dict[str, Any]:
+    """Several trainer runs in one process group (one spawn for a whole matrix row)."""
+    return {name: train_worker(rank, world_size, argv) for name, argv in runs}
