@@ -63,15 +63,76 @@ def init_distributed(device: str = "auto", collective_timeout_s: float = 300.0) 
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=collective_timeout_s)
+        store = launch_store(rank, world_size, timeout)  # None: not torchrun's shared store
         dist.init_process_group(
             backend=backend,
-            init_method="env://",
-            timeout=datetime.timedelta(seconds=collective_timeout_s),
+            **({"init_method": "env://"} if store is None else
+               {"store": store, "rank": rank, "world_size": world_size}),
+            timeout=timeout,
             **({"device_id": dev} if backend == "nccl" else {}),
         )
     logger.info("rank %d/%d on %s (%s, collective timeout %.0f s)", rank, world_size, dev,
                 backend, collective_timeout_s)
     return DistContext(rank, world_size, local_rank, dev, dist.group.WORLD)
+
+
+def launch_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """A key space of this launch's own in torchrun's shared TCPStore, or None.
+
+    torchrun (c10d rendezvous, torch >= 2.4) gives every launch of the workers
+    the TCPStore its agent hosts, and that store keeps its keys across
+    `--max-restarts`. The process group's bootstrap keys are the same in every
+    launch, so after a restart a rank may read a dead peer's address from the
+    previous launch and fail to connect (seen here with gloo: "connectFullMesh
+    failed ... Connection refused"; pytorch/pytorch#135712 for NCCL).
+    TORCHELASTIC_RESTART_COUNT cannot tell launches apart across nodes (each
+    agent counts its own restarts), so the ranks agree on a generation in the
+    store: each announces a fresh nonce; rank 0 waits until every rank's
+    announcement is one it has not consumed before, takes the next generation
+    and answers each nonce with it. Every wait is bounded by `timeout`.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import time
+    import uuid
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    deadline = time.monotonic() + timeout.total_seconds()
+
+    def read(key: str) -> str | None:
+        return store.get(key).decode() if store.check([key]) else None
+
+    def wait_a_little(what: str) -> None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {rank}: {what} within {timeout.total_seconds():.0f} s "
+                               "(--collective-timeout) while joining the process group")
+        time.sleep(0.02)
+
+    nonce = uuid.uuid4().hex
+    consumed_before = read(f"valle/used/{rank}")
+    store.set(f"valle/hello/{rank}", nonce)
+    if rank == 0:
+        fresh = []
+        for r in range(world_size):
+            while (hello := read(f"valle/hello/{r}")) is None or hello == read(f"valle/used/{r}"):
+                wait_a_little(f"rank {r} did not announce itself")
+            fresh.append(hello)
+        generation = store.add("valle/generation", 1)
+        for r, hello in enumerate(fresh):
+            store.set(f"valle/gen/{hello}", str(generation))
+            store.set(f"valle/used/{r}", hello)
+    while True:
+        answer = read(f"valle/gen/{nonce}")
+        taken = read(f"valle/used/{rank}")
+        if answer is None and taken not in (None, consumed_before, nonce):
+            # Rank 0 took a stale announcement for this rank (one left by a launch
+            # that died while joining): this launch's generation is the one it got.
+            answer = read(f"valle/gen/{taken}")
+        if answer is not None:
+            return dist.PrefixStore(f"valle/launch-{answer}/", store)
+        wait_a_little("rank 0 did not answer")
 
 
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:

@@ -230,6 +230,7 @@ class DdpGradSync:
                 p.grad.zero_()
 
     def backward_context(self, last_micro_batch: bool):
+        """no_sync for all but the last micro-batch (wrap their forward too)."""
         if self.ddp is not None and not last_micro_batch:
             return self.ddp.no_sync()
         return nullcontext()

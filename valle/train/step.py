@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from valle.train.batching import (
@@ -223,10 +224,12 @@ class ResilientStep:
                 result.cuts_skipped += list(batch["cut_ids"]) if batch else []
                 return result
             if vote.failed:
+                quarantined: list[str] = []
                 if local.failure is not None:
                     result.ooms += 1
                     batch, split, quarantined = self._refine(step, batch, split, local.failure)
                     result.cuts_quarantined += quarantined
+                self._share_quarantine(quarantined)
                 continue
             result.final_split = split
             result.loss, result.frames, result.metrics = vote.loss, vote.frames, vote.metrics
@@ -366,9 +369,12 @@ class ResilientStep:
         for index, micro in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
             try:
-                loss, metrics = self._forward(step, micro)
-                if not last:  # local backward under no_sync
-                    self._backward(loss, micro, last=False)
+                # DDP decides at forward time whether backward will all-reduce:
+                # earlier micro-batches run forward *and* backward under no_sync.
+                with self.sync.backward_context(last):
+                    loss, metrics = self._forward(step, micro)
+                    if not last:
+                        self._backward(loss, micro, last=False)
             except Exception as exc:  # noqa: BLE001
                 if not is_oom_error(exc):
                     raise
@@ -547,6 +553,16 @@ class ResilientStep:
         self.state_damaged = False
 
     # -- bookkeeping ---------------------------------------------------------
+
+    def _share_quarantine(self, new_ids: list[str]) -> None:
+        """Tell every rank about newly quarantined cuts (the sampler may deal the cut
+        to another rank next epoch). Runs on every rank after a failed vote only."""
+        if not self.ctx.distributed:
+            return
+        gathered: list = [None] * self.ctx.world_size
+        dist.all_gather_object(gathered, [self.quarantine.entries[c] for c in new_ids],
+                               group=self.ctx.group)
+        self.quarantine.merge([entry for entries in gathered for entry in entries])
 
     def _drop_quarantined(self, batch: Batch | None) -> tuple[Batch | None, list[str]]:
         if batch is None or not len(self.quarantine):

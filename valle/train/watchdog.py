@@ -7,6 +7,12 @@ it writes every thread's Python stack to the log and stderr and exits the
 process non-zero, so torchrun (or the user) sees a failure instead of a node
 that burns hours silently. Every rank runs its own watchdog: the stalled rank
 and the ranks waiting for it all dump their stacks.
+
+The ranks of a stalled step fire within a poll interval or so of each other
+(their steps start together: the previous step ended in a collective). A rank
+that fires waits a grace period after its dump before it exits: exiting at
+once would make its peers' pending collectives fail with a connection error
+(and torchrun SIGTERM them) before their own watchdogs dumped their stacks.
 """
 
 from __future__ import annotations
@@ -65,24 +71,35 @@ class StallWatchdog:
             if age > self.limit():
                 self._fire(age)
 
+    def grace_seconds(self) -> float:
+        """How long a firing rank waits after its dump before it exits (see the module doc)."""
+        return min(60.0, 2 * self.poll_seconds + 0.1 * self.limit())
+
     def _fire(self, age: float) -> None:
-        message = (f"rank {self.rank}: step {self._step} has run {age:.0f} s, over the stall limit "
-                   f"of {self.limit():.0f} s (--stall-factor {self.factor} x median step, at least "
+        limit, grace = self.limit(), self.grace_seconds()
+        message = (f"rank {self.rank}: step {self._step} has run {age:.1f} s, over the stall limit "
+                   f"of {limit:.1f} s (--stall-factor {self.factor} x median step, at least "
                    f"--stall-min-seconds {self.min_seconds}); stacks of every thread follow, then "
                    f"exit {STALL_EXIT_CODE}")
-        logger.error(message)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        print(message, file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        # The dump file first: it shares no lock with the stuck main thread.
         if self.dump_path is not None:
             self.dump_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.dump_path, "a") as f:
                 f.write(message + "\n")
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
+        # Exit even if the main thread holds a lock that logging or stderr needs.
         # os._exit: the main thread is stuck (in a collective or a sleep); a normal
         # exit would wait for it forever.
+        hard_exit = threading.Timer(grace + 5.0, os._exit, (STALL_EXIT_CODE,))
+        hard_exit.daemon = True
+        hard_exit.start()
+        print(message, file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        logger.error(message)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        time.sleep(grace)  # let the peers' watchdogs dump their stacks too
         os._exit(STALL_EXIT_CODE)
 
     def close(self) -> None:
