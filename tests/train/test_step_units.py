@@ -142,12 +142,15 @@ def _overlap_worker(rank: int, world_size: int) -> dict:
                             mode="overlap", bucket_cap_mb=0.0005, on_launch=on_launch)
     sync.zero_grad()
     torch.manual_seed(rank)
-    loss = model(torch.randn(4, 8)).sum()
+    inputs = torch.randn(4, 8)
+    reference = _mlp()  # same weights, plain autograd: this rank's local gradient
+    reference(inputs).sum().backward()
+    local = [p.grad.clone() for p in reference.parameters()]
+    loss = model(inputs).sum()
     with sync.backward_context(last_micro_batch=True):
         in_backward["now"] = True
         loss.backward()
         in_backward["now"] = False
-    local = [p.grad.clone() for p in model.parameters()]
     sync.launch_remaining()
     sync.wait()
     return {"events": events, "grads": [p.grad.clone() for p in model.parameters()], "local": local,

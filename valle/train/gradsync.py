@@ -190,6 +190,53 @@ class BucketedGradSync:
         self._hooks = []
 
 
+class LocalGradSync:
+    """One rank: nothing to all-reduce, so gradients stay ordinary tensors.
+
+    Zeroing sets them to None and the first backward hands its result over
+    without an accumulate pass, exactly like an unprotected loop; the only
+    remaining protocol step is the fault-injection point of `grad_sync`.
+    """
+
+    mode = "local"
+
+    def __init__(self, params: Sequence[nn.Parameter], on_launch: Callable[[int], None] | None = None):
+        self._params = list(params)
+        self.on_launch = on_launch
+        self._launched = False
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return self._params
+
+    def zero_grad(self) -> None:
+        for p in self._params:
+            p.grad = None
+        self._launched = False
+
+    def backward_context(self, last_micro_batch: bool):
+        return nullcontext()
+
+    def forward_module(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def launch_remaining(self) -> None:
+        if not self._launched and self.on_launch is not None:
+            self.on_launch(0)
+        self._launched = True
+
+    def wait(self) -> None:
+        pass
+
+    def scale_(self, factor: float) -> None:
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+
+    def close(self) -> None:
+        pass
+
+
 class DdpGradSync:
     """torch DDP, for comparison: forward OOMs are voted before backward;
     a backward OOM cannot be completed and ends the run with a clear error."""
@@ -260,5 +307,7 @@ def build_grad_sync(mode: str, model: nn.Module, params: Sequence[nn.Parameter],
     if mode == "ddp":
         return DdpGradSync(model, params, world_size=world_size, device=device, group=group,
                            bucket_cap_mb=bucket_cap_mb)
+    if world_size == 1:
+        return LocalGradSync(params, on_launch=on_launch)
     return BucketedGradSync(params, world_size=world_size, group=group, mode=mode,
                             bucket_cap_mb=bucket_cap_mb, on_launch=on_launch)

@@ -1,0 +1,81 @@
+"""The trainer's view of a tokenized lhotse corpus (`valle.train.data.TrainData`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from valle.data.collation import num_text_tokens
+from valle.data.datamodule import ResumableLoader, TtsDataModule
+from valle.train.batching import Batch
+from valle.train.config import TrainConfig
+from valle.train.data import gather_rank_states, pick_rank_state
+from valle.train.dist import DistContext
+
+logger = logging.getLogger(__name__)
+
+# lhotse's find_pessimistic_batches criteria, plus the text ones: text that
+# phonemizes into long sequences is what blew up memory in the reference
+# discussion, and duration alone does not see it.
+CRITERIA: dict[str, Callable[[Any], float]] = {
+    "single_longest_cut": lambda cuts: max(c.duration for c in cuts),
+    "largest_batch_cuts_duration": lambda cuts: sum(c.duration for c in cuts),
+    "max_num_cuts": lambda cuts: len(cuts),
+    "single_longest_text": lambda cuts: max(num_text_tokens(c) for c in cuts),
+    "largest_batch_text_tokens": lambda cuts: len(cuts) * max(num_text_tokens(c) for c in cuts),
+}
+
+
+class LhotseTrainData:
+    def __init__(self, cfg: TrainConfig, ctx: DistContext):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.module = TtsDataModule(argparse.Namespace(**cfg.args))
+        self.train: ResumableLoader = self.module.train_dataloader(ctx.rank, ctx.world_size)
+        self.valid: ResumableLoader | None = None
+        try:
+            self.valid = self.module.valid_dataloader(ctx.rank, ctx.world_size)
+        except FileNotFoundError as e:
+            logger.warning("no validation data: %s", e)
+        if ctx.is_main and self.module.filter_report.entries:
+            path = cfg.exp_dir / "filtered-cuts.tsv"
+            self.module.filter_report.write(path)
+            logger.info("cuts removed by the filters: %s (listed in %s)",
+                        self.module.filter_report.summary(), path)
+
+    def train_batches(self, epoch: int) -> Iterator[Batch]:
+        self.train.set_epoch(epoch)
+        return iter(self.train)
+
+    def valid_batches(self) -> Iterator[Batch]:
+        return iter(self.valid) if self.valid is not None else iter(())
+
+    def pessimistic_batches(self) -> dict[str, Batch]:
+        """One pass over this rank's batches (metadata only), the worst per criterion."""
+        from tqdm import tqdm
+
+        scan = self.module._loader(self.cfg.args.get("train_part", "train"), self.ctx.rank,
+                                   self.ctx.world_size, shuffle=False, drop_last=False,
+                                   prompts=self.module._prompts())
+        best: dict[str, tuple[float, Any]] = {}
+        for cuts in tqdm(scan.sampler, desc="scanning for pessimistic batches",
+                         disable=not self.ctx.is_main):
+            for name, score in CRITERIA.items():
+                value = score(cuts)
+                if name not in best or value > best[name][0]:
+                    best[name] = (value, cuts)
+        return {f"{name} ({value:.1f})": scan.dataset[cuts] for name, (value, cuts) in best.items()}
+
+    def state_dict(self, ctx: DistContext, next_epoch: bool = False) -> dict[str, Any]:
+        local = self.train.state_dict()
+        if next_epoch:
+            local = {**local, "epoch": local["epoch"] + 1, "batches_consumed": 0}
+        return {"per_rank": gather_rank_states(local, ctx), "batch_in_epoch": local["batches_consumed"]}
+
+    def load_state_dict(self, state: dict[str, Any], ctx: DistContext) -> None:
+        self.train.load_state_dict(pick_rank_state(state, ctx))
+
+    def steps_hint(self, num_epochs: int) -> int | None:
+        return None  # a lazy manifest does not know its length without a pass
