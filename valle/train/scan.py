@@ -46,7 +46,7 @@ class ScanRow:
             mem = (f"{self.peak_bytes / MiB:9.0f} MiB  {(self.total_bytes - self.peak_bytes) / MiB:9.0f} MiB")
         else:
             mem = f"{'n/a (CPU)':>13}  {'n/a':>13}"
-        return (f"{self.criterion:<22} {self.cuts:>5} {self.frames:>7} {self.text_tokens:>7}  {mem}  "
+        return (f"{self.criterion:<36} {self.cuts:>5} {self.frames:>7} {self.text_tokens:>7}  {mem}  "
                 f"{'ok' if self.fits else 'OOM'}")
 
 
@@ -66,7 +66,7 @@ def scan_pessimistic_batches(stepper, batches: dict[str, Batch], optimizer, cfg:
     rows = [_try_batch(stepper, name, batch) for name, batch in batches.items()]
     del ballast
     free_memory(device)
-    header = (f"{'criterion':<22} {'cuts':>5} {'frames':>7} {'text':>7}  {'peak':>13}  "
+    header = (f"{'criterion':<36} {'cuts':>5} {'frames':>7} {'text':>7}  {'peak':>13}  "
               f"{'headroom':>13}  result")
     logger.info("pessimistic batches (%s, GradScaler %s, reserve %d MiB):\n%s\n%s", cfg.dtype,
                 "on" if cfg.dtype == "float16" else "off", stepper.reserve.nbytes // MiB, header,

@@ -1,0 +1,38 @@
+# Fresh machine: `make demo` (whole pipeline on a locally made corpus, CPU) and `make test`.
+# Every target creates or reuses ./.venv and installs only what is missing.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install demo test lint bench gpu-check clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch and torchaudio must be the same release (encodec imports torchaudio).
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+demo: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash egs/tiny/run.sh
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/bench.sh
+
+# Every GPU check in one run; results under $$OUT (or ./out) and in docs/benchmarks.md form.
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf egs/tiny/data egs/tiny/exp out

@@ -1,0 +1,62 @@
+"""The sampler never exceeds the text-token or duration budget."""
+
+import random
+
+from lhotse import CutSet, SupervisionSegment
+from lhotse.dataset import DynamicBucketingSampler
+from lhotse.testing.dummies import dummy_cut
+
+from valle.data.sampling import BudgetedSampler, TextTokenConstraint
+
+
+def make_cuts(n=300, seed=0):
+    rng = random.Random(seed)
+    cuts = []
+    for i in range(n):
+        duration = round(rng.uniform(0.5, 6.0), 2)
+        # Text length loosely tied to duration, with outliers (long text in short audio).
+        tokens = int(duration * 12) if rng.random() > 0.1 else int(duration * 45)
+        cut = dummy_cut(i, duration=duration)
+        cut.supervisions = [SupervisionSegment(
+            id=f"sup{i}", recording_id=cut.recording_id, start=0, duration=duration,
+            text="x", custom={"tokens": {"text": ["a"] * tokens}, "num_text_tokens": tokens})]
+        cuts.append(cut)
+    return CutSet.from_cuts(cuts)
+
+
+def _check(constraint, quadratic=None):
+    cuts = make_cuts()
+    sampler = DynamicBucketingSampler(cuts, constraint=constraint, num_buckets=4, shuffle=True, seed=3)
+    budgeted = BudgetedSampler(sampler, constraint)
+    seen = []
+    for batch in budgeted:
+        batch = list(batch)
+        lens = [c.supervisions[0].custom["num_text_tokens"] + 2 for c in batch]
+        assert sum(lens) <= constraint.max_text_tokens
+        assert len(batch) * max(lens) <= constraint.max_text_tokens
+        eff = [c.duration + (c.duration ** 2 / quadratic if quadratic else 0) for c in batch]
+        assert len(batch) * max(eff) <= constraint.max_duration + 1e-6
+        seen += [c.id for c in batch]
+    assert sorted(seen) == sorted(c.id for c in cuts)  # splitting loses nothing
+    return budgeted
+
+
+def test_batches_respect_text_token_budget():
+    budgeted = _check(TextTokenConstraint(max_duration=30.0, max_text_tokens=300))
+    assert budgeted.num_splits >= 0
+
+
+def test_batches_respect_budget_with_quadratic_duration():
+    _check(TextTokenConstraint(max_duration=40.0, max_text_tokens=400, quadratic_duration=10.0), quadratic=10.0)
+
+
+def test_constraint_state_roundtrip_and_split():
+    c = TextTokenConstraint(max_duration=10.0, max_text_tokens=50)
+    cuts = list(make_cuts(6))
+    for cut in cuts[:2]:
+        c.add(cut)
+    clone = TextTokenConstraint()
+    clone.load_state_dict(c.state_dict())
+    assert clone.state_dict() == c.state_dict()
+    parts = c.split(cuts)
+    assert sum(len(p) for p in parts) == 6 and all(c.fits(p) or len(p) == 1 for p in parts)

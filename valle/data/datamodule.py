@@ -1,0 +1,229 @@
+"""TtsDataModule: lazy tokenized manifests -> filtered cuts -> bucketing sampler -> batches.
+
+Mid-epoch resume: the state is (epoch, batches consumed by the trainer, world size, seed).
+Restoring rebuilds the same sampler, sets the epoch and skips the consumed batches without
+loading any features, so no cut is repeated or skipped. Counting batches the *trainer*
+consumed (not batches the sampler produced) keeps this correct when DataLoader workers
+prefetch ahead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from valle.data import validation as V
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = "valle-sampler-1"
+BUDGET = "exceeds_batch_budget"
+
+
+def _str2bool(v: str) -> bool:
+    if v.lower() in ("1", "true", "yes", "y"):
+        return True
+    if v.lower() in ("0", "false", "no", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
+
+
+class ResumableLoader:
+    """A DataLoader over a BudgetedSampler that counts the batches handed to the caller."""
+
+    def __init__(self, dataset, sampler, num_workers: int, world_size: int, rank: int, seed: int) -> None:
+        self.dataset = dataset
+        self.sampler = sampler
+        self.num_workers = num_workers
+        self.world_size = world_size
+        self.rank = rank
+        self.seed = seed
+        self.epoch = 0
+        self.batches_consumed = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.batches_consumed = 0
+        self.epoch = epoch
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[dict]:
+        import torch
+
+        self.sampler.skip_batches = self.batches_consumed
+        loader = torch.utils.data.DataLoader(
+            self.dataset, sampler=self.sampler, batch_size=None, num_workers=self.num_workers,
+            persistent_workers=False,
+        )
+        for batch in loader:
+            self.batches_consumed += 1
+            yield batch
+        # A finished epoch: the next iteration of the same epoch starts from the beginning.
+        self.batches_consumed = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": STATE_FORMAT, "epoch": self.epoch, "batches_consumed": self.batches_consumed,
+            "world_size": self.world_size, "rank": self.rank, "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"sampler state has format {state.get('format')!r}, expected {STATE_FORMAT!r}")
+        if state["world_size"] != self.world_size:
+            raise ValueError(
+                f"sampler state was saved with world size {state['world_size']} and cannot resume "
+                f"mid-epoch with {self.world_size}: the ranks' partitions differ (restart the epoch)"
+            )
+        if state["seed"] != self.seed:
+            raise ValueError(f"sampler state was saved with --seed {state['seed']}, now {self.seed}")
+        self.epoch = state["epoch"]
+        self.sampler.set_epoch(self.epoch)
+        self.batches_consumed = state["batches_consumed"]
+
+
+class TtsDataModule:
+    """Builds train/valid loaders from ``{manifest_dir}/{dataset}_cuts_{train,dev}.jsonl.gz``."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.filter_report = V.ValidationReport()
+        self._train_loader: ResumableLoader | None = None
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("data", "tokenized lhotse manifests and batching")
+        g.add_argument("--manifest-dir", type=Path, default=Path("data/tokenized"))
+        g.add_argument("--dataset", default="libritts", help="prefix of the cut files ({dataset}_cuts_train...)")
+        g.add_argument("--train-part", default="train")
+        g.add_argument("--valid-part", default="dev")
+        g.add_argument("--text-tokens", type=Path, default=None,
+                       help="symbol table (default: {manifest-dir}/unique_text_tokens.k2symbols)")
+        g.add_argument("--max-duration", type=float, default=40.0, help="seconds of audio per batch (padded)")
+        g.add_argument("--max-text-tokens", type=int, default=None, help="text tokens per batch (padded)")
+        g.add_argument("--filter-min-duration", type=float, default=0.0)
+        g.add_argument("--filter-max-duration", type=float, default=20.0)
+        g.add_argument("--num-buckets", type=int, default=10)
+        g.add_argument("--quadratic-duration", type=float, default=None,
+                       help="effective duration d + d^2/q (15-40 for transformers)")
+        g.add_argument("--shuffle", dest="shuffle", action="store_true", default=True)
+        g.add_argument("--no-shuffle", dest="shuffle", action="store_false")
+        g.add_argument("--buffer-size", type=int, default=40000)
+        g.add_argument("--shuffle-buffer-size", type=int, default=100000)
+        g.add_argument("--drop-last", type=_str2bool, default=False)
+        g.add_argument("--num-workers", type=int, default=2)
+        g.add_argument("--max-prompt-duration", type=float, default=3.0)
+
+    # ---- helpers -----------------------------------------------------------
+    def _arg(self, name: str, default: Any = None) -> Any:
+        return getattr(self.args, name, default)
+
+    def text_tokens_path(self) -> Path:
+        path = self._arg("text_tokens") or Path(self.args.manifest_dir) / "unique_text_tokens.k2symbols"
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--text-tokens {path}: no such symbol table (run bin/tokenizer.py)")
+        return Path(path)
+
+    def cuts_path(self, part: str) -> Path:
+        path = Path(self.args.manifest_dir) / f"{self.args.dataset}_cuts_{part}.jsonl.gz"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such cut manifest (check --manifest-dir and --dataset)")
+        return path
+
+    def constraint(self):
+        from valle.data.sampling import TextTokenConstraint
+
+        return TextTokenConstraint(
+            max_duration=self.args.max_duration,
+            quadratic_duration=self._arg("quadratic_duration"),
+            max_text_tokens=self._arg("max_text_tokens"),
+        )
+
+    def load_cuts(self, part: str):
+        """Lazy cuts of ``part`` filtered by duration and by the batch budget. Every removed cut
+        is recorded in ``self.filter_report`` (written next to the checkpoints by the trainer).
+        A first pass over the manifest counts what the filters keep, so an empty result stops
+        here with the name of the filter instead of as an empty epoch later."""
+        from lhotse import CutSet
+
+        cuts = CutSet.from_jsonl_lazy(self.cuts_path(part))
+        lo, hi = self.args.filter_min_duration, self.args.filter_max_duration
+        constraint = self.constraint()
+        report = V.ValidationReport()
+        keep_ids = set()
+        for cut in cuts:
+            report.checked += 1
+            bad = V.check_duration(cut.duration, lo, hi)
+            if bad is None and not constraint.single_fits(cut):
+                bad = (BUDGET, f"{cut.duration:.2f}s / {constraint.text_length(cut)} text tokens do not fit "
+                               f"--max-duration {self.args.max_duration:g} / --max-text-tokens "
+                               f"{self._arg('max_text_tokens')}")
+            if bad is None:
+                keep_ids.add(cut.id)
+            else:
+                report.add(cut.id, *bad)
+        if report.entries:
+            logger.warning("%s: filters removed %d of %d cuts (%s)", part, len(report), report.checked,
+                           report.counts)
+        V.raise_if_nothing_left(len(keep_ids), report, lo, hi, what=f"cuts of {self.args.dataset} {part}")
+        self.filter_report.extend(report)
+        return cuts.filter(_KeepIds(keep_ids))
+
+    def _loader(self, part: str, rank: int, world_size: int, shuffle: bool, drop_last: bool,
+                prompts: bool) -> ResumableLoader:
+        from lhotse.dataset import DynamicBucketingSampler
+
+        from valle.data.collation import get_text_token_collater
+        from valle.data.dataset import SpeechSynthesisDataset
+        from valle.data.sampling import BudgetedSampler
+
+        cuts = self.load_cuts(part)
+        seed = int(self._arg("seed", 0) or 0)
+        constraint = self.constraint()
+        sampler = DynamicBucketingSampler(
+            cuts, constraint=constraint, num_buckets=self.args.num_buckets, shuffle=shuffle,
+            drop_last=drop_last, buffer_size=self.args.buffer_size,
+            shuffle_buffer_size=self.args.shuffle_buffer_size, seed=seed,
+            world_size=world_size, rank=rank,
+        )
+        dataset = SpeechSynthesisDataset(
+            get_text_token_collater(self.text_tokens_path()),
+            prompt_cuts=cuts if prompts else None,
+            max_prompt_duration=self._arg("max_prompt_duration", 3.0),
+        )
+        return ResumableLoader(dataset, BudgetedSampler(sampler, constraint), self.args.num_workers,
+                               world_size, rank, seed)
+
+    def _prompts(self) -> bool:
+        return int(self._arg("prefix_mode", 0) or 0) == 4
+
+    # ---- public API --------------------------------------------------------
+    def train_dataloader(self, rank: int = 0, world_size: int = 1,
+                         sampler_state: dict[str, Any] | None = None) -> ResumableLoader:
+        loader = self._loader(self._arg("train_part", "train"), rank, world_size,
+                              shuffle=self.args.shuffle, drop_last=self.args.drop_last,
+                              prompts=self._prompts())
+        if sampler_state is not None:
+            loader.load_state_dict(sampler_state)
+        self._train_loader = loader
+        return loader
+
+    def valid_dataloader(self, rank: int = 0, world_size: int = 1) -> ResumableLoader:
+        return self._loader(self._arg("valid_part", "dev"), rank, world_size, shuffle=False,
+                            drop_last=False, prompts=self._prompts())
+
+    def sampler_state(self) -> dict[str, Any] | None:
+        return None if self._train_loader is None else self._train_loader.state_dict()
+
+
+class _KeepIds:
+    """Picklable filter predicate (a lambda would block DataLoader workers)."""
+
+    def __init__(self, ids: set[str]) -> None:
+        self.ids = ids
+
+    def __call__(self, cut) -> bool:
+        return cut.id in self.ids

@@ -1,0 +1,190 @@
+"""Text -> phoneme symbols (phonemizer's espeak backend) and symbols -> padded id tensors."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from valle.data.symbols import SymbolTable
+
+logger = logging.getLogger(__name__)
+
+WORD_SEP = "_"
+PHONE_SEP = "|"
+# Punctuation kept as symbols of their own (phonemizer's defaults plus brackets).
+PUNCTUATION = ';:,.!?¡¿—…"«»“”()[]{}'
+# espeak's language-switch markers such as "(zh)" or "(en-us)" (language_switch="keep-flags").
+_FLAG_RE = re.compile(r"\(([a-z]{2,3}(?:-[a-z0-9]+)*)\)")
+_SPACE_RE = re.compile(r"\s+")
+
+_espeak_lock = threading.Lock()
+_espeak_configured = False
+
+
+def configure_espeak() -> None:
+    """Point phonemizer at the libespeak-ng and data shipped by espeakng-loader (no apt step)."""
+    global _espeak_configured
+    with _espeak_lock:
+        if _espeak_configured:
+            return
+        import espeakng_loader
+        from phonemizer.backend.espeak.wrapper import EspeakWrapper
+
+        EspeakWrapper.set_library(espeakng_loader.get_library_path())
+        EspeakWrapper.set_data_path(espeakng_loader.get_data_path())
+        _espeak_configured = True
+
+
+def _quiet_phonemizer_logger() -> logging.Logger:
+    # phonemizer warns "words count mismatch" on nearly every line because punctuation is
+    # kept as tokens; that is expected here, so only its errors are shown.
+    log = logging.getLogger(f"{__name__}.phonemizer")
+    log.setLevel(logging.ERROR)
+    return log
+
+
+class TextTokenizationError(ValueError):
+    """A text that espeak could not phonemize."""
+
+
+@dataclass
+class Phonemized:
+    symbols: list[str]
+    # Languages espeak switched to (e.g. ["zh"]): the voice could not read part of the text.
+    language_switches: list[str] = field(default_factory=list)
+
+
+def split_phonemized(phonemized: str) -> list[str]:
+    """Turn phonemizer output ('h|ə|l|oʊ,_w|ɜː|l|d!') into symbols, punctuation split off."""
+    symbols: list[str] = []
+    words = [w for w in phonemized.strip().split(WORD_SEP) if w.strip()]
+    for wi, word in enumerate(words):
+        if wi > 0:
+            symbols.append(WORD_SEP)
+        for piece in word.split(PHONE_SEP):
+            phone = ""
+            for ch in piece:
+                if ch in PUNCTUATION:
+                    if phone:
+                        symbols.append(phone)
+                        phone = ""
+                    symbols.append(ch)
+                elif ch.isspace():
+                    if phone:
+                        symbols.append(phone)
+                        phone = ""
+                else:
+                    phone += ch
+            if phone:
+                symbols.append(phone)
+    return symbols
+
+
+def normalize_text(text: str) -> str:
+    # phonemizer treats each line as an utterance: keep one text = one line.
+    return _SPACE_RE.sub(" ", text).strip()
+
+
+class TextTokenizer:
+    """Phonemize texts with espeak; one cached backend per language."""
+
+    def __init__(self, language: str = "en-us", backend: str = "espeak", with_stress: bool = False):
+        if backend != "espeak":
+            raise ValueError(f"--text-extractor {backend!r} is not supported (only 'espeak')")
+        self.language = language
+        self.backend_name = backend
+        self.with_stress = with_stress
+        self._backends: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def _backend(self, language: str):
+        if language not in self._backends:
+            configure_espeak()
+            from phonemizer.backend import EspeakBackend
+
+            try:
+                self._backends[language] = EspeakBackend(
+                    language,
+                    punctuation_marks=PUNCTUATION,
+                    preserve_punctuation=True,
+                    with_stress=self.with_stress,
+                    language_switch="keep-flags",
+                    logger=_quiet_phonemizer_logger(),
+                )
+            except RuntimeError as e:
+                raise TextTokenizationError(f"espeak has no voice for language {language!r}: {e}") from e
+        return self._backends[language]
+
+    def phonemize_one(self, text: str, language: str | None = None) -> Phonemized:
+        from phonemizer.separator import Separator
+
+        language = language or self.language
+        text = normalize_text(text)
+        if not text:
+            return Phonemized([])
+        sep = Separator(word=WORD_SEP, syllable="", phone=PHONE_SEP)
+        # One text per call: phonemizer drops empty lines and can re-split on punctuation,
+        # which would misalign a batched output with its inputs.
+        with self._lock:
+            backend = self._backend(language)
+            try:
+                out = backend.phonemize([text], separator=sep, strip=True, njobs=1)
+            except Exception as e:  # espeak/phonemizer raise various types
+                raise TextTokenizationError(f"phonemizer failed on {text!r}: {e}") from e
+        joined = " ".join(out)
+        switches = _FLAG_RE.findall(joined)
+        joined = _FLAG_RE.sub("", joined)
+        return Phonemized(split_phonemized(joined), switches)
+
+    def __call__(self, texts: Sequence[str], language: str | None = None) -> list[list[str]]:
+        if isinstance(texts, str):
+            raise TypeError("TextTokenizer expects a list of texts, not a single str")
+        return [self.phonemize_one(t, language).symbols for t in texts]
+
+
+class UnknownSymbolError(KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+class TextTokenCollater:
+    """Symbols -> (B, S) LongTensor padded with the pad id, optional bos/eos, plus lengths."""
+
+    def __init__(self, symbol_table: SymbolTable, add_bos: bool = True, add_eos: bool = True):
+        self.symbol_table = symbol_table
+        self.add_bos = add_bos
+        self.add_eos = add_eos
+        self.pad_id = symbol_table.pad_id
+        self.bos_id = symbol_table.bos_id
+        self.eos_id = symbol_table.eos_id
+
+    def encode(self, symbols: Sequence[str], cut_id: str | None = None) -> list[int]:
+        ids = [self.bos_id] if self.add_bos else []
+        for sym in symbols:
+            if sym not in self.symbol_table:
+                where = f" (cut {cut_id})" if cut_id is not None else ""
+                raise UnknownSymbolError(
+                    f"unknown text symbol {sym!r}{where}: not in the symbol table "
+                    f"({len(self.symbol_table)} symbols); re-run bin/tokenizer.py or pass the "
+                    "--text-tokens table the cuts were tokenized with"
+                )
+            ids.append(self.symbol_table.get(sym))
+        if self.add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def __call__(
+        self, texts: Sequence[Sequence[str]], ids: Sequence[str] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = [self.encode(t, None if ids is None else ids[i]) for i, t in enumerate(texts)]
+        lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        width = int(lens.max()) if len(rows) else 0
+        out = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        return out, lens

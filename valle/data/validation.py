@@ -1,0 +1,219 @@
+"""Input validation: one report line per bad item (cut id, reason), nothing crashes.
+
+Used by bin/tokenizer.py (bad items are excluded from the tokenized cuts) and by the
+datamodule (duration filters). Reasons are short stable keys; details say why.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import unicodedata
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# Reasons (stable keys: tests, reports and docs rely on them).
+EMPTY_TEXT = "empty_text"
+PHONEMIZE_FAILED = "phonemize_failed"
+UNKNOWN_SYMBOLS = "unknown_symbols"
+FOREIGN_SCRIPT = "foreign_script"
+LANGUAGE_SWITCH = "language_switch"
+TEXT_TOO_LONG = "text_too_long_for_audio"
+UNREADABLE_AUDIO = "unreadable_audio"
+ZERO_LENGTH_AUDIO = "zero_length_audio"
+TOO_SHORT = "too_short"
+TOO_LONG = "too_long"
+NO_SUPERVISION = "no_supervision"
+
+# Voices whose languages are written in Latin script: text in another script is read
+# letter by letter ("chinese letter", Cyrillic letter names), which no audio matches.
+LATIN_SCRIPT_LANGUAGES = {
+    "en", "fr", "de", "es", "it", "pt", "nl", "sv", "da", "nb", "no", "fi", "pl", "cs", "sk",
+    "sl", "hr", "ro", "hu", "tr", "id", "ms", "vi", "ca", "eu", "gl", "et", "lv", "lt", "sq",
+    "af", "sw", "cy", "ga", "is", "mt", "eo", "la",
+}
+# Phonemes (no word boundaries, no punctuation) per second of audio. Read speech runs at
+# 10-18; 30 leaves room for fast speakers and tight trims while catching text that the
+# audio cannot carry (spelled-out foreign characters, wrong transcripts).
+DEFAULT_MAX_PHONES_PER_SECOND = 30.0
+
+
+@dataclass
+class ReportEntry:
+    cut_id: str
+    reason: str
+    detail: str = ""
+
+
+@dataclass
+class ValidationReport:
+    """Bad items found while preparing or loading data."""
+
+    entries: list[ReportEntry] = field(default_factory=list)
+    checked: int = 0
+
+    def add(self, cut_id: str, reason: str, detail: str = "") -> None:
+        self.entries.append(ReportEntry(cut_id, reason, detail))
+
+    def extend(self, other: ValidationReport) -> None:
+        self.entries.extend(other.entries)
+        self.checked += other.checked
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return dict(sorted(Counter(e.reason for e in self.entries).items()))
+
+    @property
+    def bad_ids(self) -> set[str]:
+        return {e.cut_id for e in self.entries}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def write(self, path: str | os.PathLike) -> None:
+        """TSV (cut_id, reason, detail) or JSONL when the name ends with .jsonl; atomic."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            if path.suffix == ".jsonl":
+                for e in self.entries:
+                    f.write(json.dumps(asdict(e), ensure_ascii=False) + "\n")
+            else:
+                f.write("cut_id\treason\tdetail\n")
+                for e in self.entries:
+                    detail = e.detail.replace("\t", " ").replace("\n", " ")
+                    f.write(f"{e.cut_id}\t{e.reason}\t{detail}\n")
+        os.replace(tmp, path)
+
+    @staticmethod
+    def read(path: str | os.PathLike) -> ValidationReport:
+        report = ValidationReport()
+        path = Path(path)
+        with open(path, encoding="utf-8") as f:
+            if path.suffix == ".jsonl":
+                for line in f:
+                    report.entries.append(ReportEntry(**json.loads(line)))
+            else:
+                next(f, None)
+                for line in f:
+                    cut_id, reason, detail = (line.rstrip("\n").split("\t", 2) + [""])[:3]
+                    report.add(cut_id, reason, detail)
+        return report
+
+    def summary(self) -> str:
+        if not self.entries:
+            return f"{self.checked} items checked, none bad"
+        parts = ", ".join(f"{reason}: {n}" for reason, n in self.counts.items())
+        return f"{self.checked} items checked, {len(self.entries)} bad ({parts})"
+
+
+class NoCutsLeftError(ValueError):
+    """The duration filters removed every cut."""
+
+
+# ----------------------------------------------------------------------------- individual checks
+def check_duration(duration: float, min_duration: float, max_duration: float) -> tuple[str, str] | None:
+    if duration <= 0:
+        return ZERO_LENGTH_AUDIO, f"duration {duration:.3f}s"
+    if duration < min_duration:
+        return TOO_SHORT, f"{duration:.2f}s < --filter-min-duration {min_duration:g}"
+    if duration > max_duration:
+        return TOO_LONG, f"{duration:.2f}s > --filter-max-duration {max_duration:g}"
+    return None
+
+
+def base_language(language: str) -> str:
+    return language.lower().replace("_", "-").split("-")[0]
+
+
+def foreign_letters(text: str, language: str) -> list[str]:
+    """Letters a Latin-script voice cannot read as words (CJK, Cyrillic, ...)."""
+    if base_language(language) not in LATIN_SCRIPT_LANGUAGES:
+        return []
+    bad = []
+    for ch in text:
+        if ch.isalpha() and not unicodedata.name(ch, "").startswith("LATIN"):
+            bad.append(ch)
+    return bad
+
+
+def is_phone(symbol: str) -> bool:
+    from valle.data.text import PUNCTUATION, WORD_SEP
+
+    return symbol != WORD_SEP and symbol not in PUNCTUATION
+
+
+def check_text_symbols(
+    text: str,
+    language: str,
+    symbols: Sequence[str],
+    switches: Sequence[str],
+    duration: float,
+    max_phones_per_second: float = DEFAULT_MAX_PHONES_PER_SECOND,
+) -> tuple[str, str] | None:
+    """Checks on phonemized text: empty output, foreign script, language switches, rate."""
+    foreign = foreign_letters(text, language)
+    if foreign:
+        sample = "".join(dict.fromkeys(foreign))[:10]
+        return FOREIGN_SCRIPT, f"{len(foreign)} letters the {language} voice cannot read ({sample!r})"
+    if switches:
+        return LANGUAGE_SWITCH, f"espeak switched language to {sorted(set(switches))} under {language}"
+    phones = sum(1 for s in symbols if is_phone(s))
+    if phones == 0:
+        return EMPTY_TEXT, f"text {text[:40]!r} phonemizes to no phonemes"
+    if duration > 0 and phones / duration > max_phones_per_second:
+        return TEXT_TOO_LONG, (
+            f"{phones} phonemes in {duration:.2f}s = {phones / duration:.1f}/s "
+            f"> --max-phones-per-second {max_phones_per_second:g}"
+        )
+    return None
+
+
+def check_known_symbols(symbols: Iterable[str], table) -> tuple[str, str] | None:
+    missing = sorted({s for s in symbols if s not in table})
+    if missing:
+        return UNKNOWN_SYMBOLS, f"not in the symbol table: {missing[:10]}"
+    return None
+
+
+# ----------------------------------------------------------------------------- duration filters
+def filter_by_duration(
+    cuts: Iterable, min_duration: float, max_duration: float, report: ValidationReport
+) -> Iterator:
+    """Yield cuts within [min, max]; record every removed cut in ``report``. Lazy."""
+    for cut in cuts:
+        report.checked += 1
+        bad = check_duration(cut.duration, min_duration, max_duration)
+        if bad is None:
+            yield cut
+        else:
+            report.add(cut.id, *bad)
+
+
+def raise_if_nothing_left(
+    kept: int, report: ValidationReport, min_duration: float, max_duration: float, what: str = "cuts"
+) -> None:
+    """Stop with a message naming the filter(s) that removed everything."""
+    if kept > 0:
+        return
+    counts = report.counts
+    total = report.checked
+    flags = {
+        TOO_SHORT: f"--filter-min-duration {min_duration:g}",
+        TOO_LONG: f"--filter-max-duration {max_duration:g}",
+        ZERO_LENGTH_AUDIO: "the zero-duration check",
+    }
+    if total == 0:
+        raise NoCutsLeftError(f"no {what} to filter: the manifest is empty")
+    named = [(flags.get(r, r), n) for r, n in counts.items()]
+    if len(named) == 1:
+        flag, n = named[0]
+        raise NoCutsLeftError(f"{flag} removed all {n} {what}")
+    detail = ", ".join(f"{flag} removed {n}" for flag, n in named)
+    raise NoCutsLeftError(f"the filters removed all {total} {what}: {detail}")
