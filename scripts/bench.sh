@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# `make bench`: every side-by-side benchmark in one run, written to docs/benchmarks.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+out=docs/benchmarks.md
+tmp=$(mktemp)
+{
+  echo "# Benchmarks"
+  echo
+  echo "Written by \`make bench\` (scripts/bench.sh) on $(date -u '+%Y-%m-%d') — $(nproc) CPU cores,"
+  echo "torch $(python -c 'import torch; print(torch.__version__)'), no GPU unless stated."
+  echo "Each table is measured side by side in one run; ratios matter more than absolute times."
+  echo
+  echo "## Resilient step: guarded vs unguarded, and gradient sync modes"
+  echo
+  echo '```'
+  echo "python scripts/bench_step.py"
+  echo '```'
+  echo
+  python scripts/bench_step.py 2>/dev/null | grep -v '^command:'
+  echo
+  echo "## Model: training-step FLOP/s and KV-cache decoding"
+  echo
+  echo '```'
+  echo "python scripts/bench_models.py"
+  echo '```'
+  echo
+  python scripts/bench_models.py 2>/dev/null | grep -v '^command:'
+} > "$tmp"
+# Keep notes written by hand below the generated part.
+if [ -f "$out" ] && grep -q '^<!-- notes -->' "$out"; then
+  sed -n '/^<!-- notes -->/,$p' "$out" >> "$tmp"
+fi
+mv "$tmp" "$out"
+cat "$out"

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Every GPU check in one run (`make gpu-check`); needs torch and a CUDA device only.
+
+1. Real OOMs (the allocator really fails) in forward and in backward are
+   recovered by the resilient step; the run completes with consistent state.
+2. The pessimistic scan's peak memory against the measured peak of the same
+   batch in a real training step.
+3. The NAR backward reserve on a fragmented pool (expandable segments off):
+   does backward still fit with and without the reserve.
+4. The step and model benchmarks on the GPU.
+
+Results go to $OUT/gpu-check.md (or ./out/gpu-check.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+OUT = Path(os.environ.get("OUT") or ROOT / "out")
+MODEL = ["--decoder-dim", "512", "--nhead", "8", "--num-decoder-layers", "6", "--dropout", "0",
+         "--device", "cuda", "--tensorboard", "false"]
+
+
+def trainer(exp: Path, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "bin/trainer.py"), *MODEL, "--exp-dir", str(exp),
+           "--synthetic-data", "64", "--synthetic-batch-size", "16", "--num-epochs", "1",
+           "--log-interval", "1", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def check_real_ooms(lines: list[str]) -> None:
+    exp = OUT / "real-oom"
+    proc = trainer(exp, "--inject-fault-real", "true", "--inject-fault", "forward@1",
+                   "--inject-fault", "backward@3", "--max-steps", "5", "--check-consistency-every", "1",
+                   "--oom-check", "false")
+    events = []
+    events_file = exp / "oom" / "events-rank0.jsonl"
+    if events_file.exists():
+        events = [json.loads(x) for x in events_file.read_text().splitlines()]
+    summary = exp / "summary-rank0.json"
+    steps = json.loads(summary.read_text())["steps"] if summary.exists() else None
+    lines += ["## Real OOMs in forward and backward", "",
+              f"exit code {proc.returncode}, steps {steps} (expected 5)", "",
+              "| phase | injected | message | allocated MiB | reserved MiB |", "|---|---|---|---|---|"]
+    for e in events:
+        lines.append(f"| {e['phase']} | {e['injected']} | {e['message'][:60]} | "
+                     f"{e['memory'].get('allocated', 0) >> 20} | {e['memory'].get('reserved', 0) >> 20} |")
+    if proc.returncode:
+        lines += ["", "```", proc.stderr[-3000:], "```"]
+    lines.append("")
+
+
+def check_scan_vs_step(lines: list[str]) -> None:
+    import torch
+
+    from valle.train.cli import parse_config
+    from valle.train.dist import init_distributed
+    from valle.train.loop import build_run
+    from valle.train.scan import scan_pessimistic_batches
+
+    cfg = parse_config(MODEL + ["--exp-dir", str(OUT / "scan"), "--synthetic-data", "64",
+                                "--synthetic-batch-size", "16"])
+    run = build_run(cfg, init_distributed("cuda"))
+    batches = run.data.pessimistic_batches()
+    rows = scan_pessimistic_batches(run.stepper, batches, run.optimizer, cfg)
+    lines += ["## Scan peak vs training-step peak", "",
+              "| criterion | scan peak MiB | step peak MiB | ratio |", "|---|---|---|---|"]
+    for row, (name, batch) in zip(rows, batches.items()):
+        torch.cuda.reset_peak_memory_stats()
+        run.stepper.run(0, batch)
+        measured = torch.cuda.max_memory_allocated()
+        lines.append(f"| {name} | {row.peak_bytes >> 20} | {measured >> 20} | "
+                     f"{row.peak_bytes / max(measured, 1):.3f} |")
+    lines.append("")
+
+
+FRAGMENT_SNIPPET = r"""
+import sys, torch
+sys.path.insert(0, {root!r})
+from valle.train.memory import BackwardReserve
+from valle.models import get_model, MODEL_DEFAULTS
+import argparse
+reserve_mb = int(sys.argv[1])
+torch.manual_seed(0)
+model = get_model(argparse.Namespace(**{{**MODEL_DEFAULTS, "decoder_dim": 1024, "nhead": 16,
+    "num_decoder_layers": 12, "dropout": 0.0}})).cuda()
+from valle.train.synthetic import SyntheticCorpus, SyntheticSpec, collate
+batch = collate(SyntheticCorpus(SyntheticSpec(num_cuts=24, text_len=(150, 150), audio_len=(1000, 1000))).cuts)
+batch = {{k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}}
+free, total = torch.cuda.mem_get_info()
+# Fragment: fill memory with small blocks, free every other one.
+blocks = []
+try:
+    while True:
+        blocks.append(torch.empty(96 << 20, dtype=torch.uint8, device="cuda"))
+except torch.OutOfMemoryError:
+    pass
+for i in range(0, len(blocks), 2):
+    blocks[i] = None
+reserve = BackwardReserve(torch.device("cuda"), reserve_mb)
+ok = True
+try:
+    reserve.hold()
+    loss, _ = model(batch["text_tokens"], batch["text_tokens_lens"], batch["audio_features"],
+                    batch["audio_features_lens"], train_stage=2)
+    reserve.release()
+    loss.backward()
+except torch.OutOfMemoryError as e:
+    ok = False
+print("RESULT", reserve_mb, ok, len(blocks))
+"""
+
+
+def check_reserve(lines: list[str]) -> None:
+    lines += ["## NAR backward reserve on a fragmented pool (expandable segments off)", "",
+              "| reserve MiB | backward fits |", "|---|---|"]
+    env = {**os.environ, "PYTORCH_ALLOC_CONF": "expandable_segments:False",
+           "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
+    for reserve_mb in (0, 1024):
+        proc = subprocess.run([sys.executable, "-c", FRAGMENT_SNIPPET.format(root=str(ROOT)),
+                               str(reserve_mb)], capture_output=True, text=True, timeout=300, env=env)
+        result = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")]
+        lines.append(f"| {reserve_mb} | {result[0].split()[2] if result else 'error: ' + proc.stderr[-200:]} |")
+    lines.append("")
+
+
+def run_bench(lines: list[str], script: str, *args: str) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True,
+                          text=True, timeout=600)
+    lines += [f"## {script} {' '.join(args)}", "", proc.stdout[-6000:] or proc.stderr[-3000:], ""]
+
+
+def main() -> None:
+    import torch
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA device visible; nothing to do", file=sys.stderr)
+        sys.exit(1)
+    lines = ["# GPU check", "", f"{torch.cuda.get_device_name()} — torch {torch.__version__} — "
+             f"{time.strftime('%Y-%m-%d')}", ""]
+    for check in (check_real_ooms, check_scan_vs_step, check_reserve):
+        try:
+            check(lines)
+        except Exception as exc:  # noqa: BLE001 - one failed check must not hide the others
+            lines += [f"## {check.__name__} failed: {type(exc).__name__}: {exc}", ""]
+        (OUT / "gpu-check.md").write_text("\n".join(lines))
+    run_bench(lines, "bench_step.py", "--device", "cuda", "--dim", "1024", "--layers", "12",
+              "--batch", "16", "--text", "100", "--frames", "600")
+    run_bench(lines, "bench_models.py", "--device", "cuda")
+    (OUT / "gpu-check.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
