@@ -38,6 +38,12 @@ def gather_rank_states(local: dict[str, Any], ctx: DistContext) -> list[dict[str
 
 def pick_rank_state(state: dict[str, Any], ctx: DistContext) -> dict[str, Any]:
     per_rank = state["per_rank"]
+    if len(per_rank) != ctx.world_size and state.get("batch_in_epoch", 0) == 0:
+        # At an epoch boundary nothing of the old partition matters: any world size may resume.
+        fresh = {**per_rank[0], "consumed": 0, "batches_consumed": 0}
+        fresh.update({k: v for k, v in (("rank", ctx.rank), ("world_size", ctx.world_size))
+                      if k in per_rank[0]})
+        return {k: v for k, v in fresh.items() if k in per_rank[0]}
     if len(per_rank) != ctx.world_size:
         raise ValueError(
             f"the checkpoint's sampler state is for {len(per_rank)} rank(s), this run has "
