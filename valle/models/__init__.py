@@ -1,0 +1,88 @@
+"""VALL-E / VALL-F models. Imports torch only (see docs/architecture.md, import rule)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import Any
+
+from .valle import NUM_AUDIO_TOKENS, VALLE, VALLF
+
+__all__ = ["NUM_AUDIO_TOKENS", "VALLE", "VALLF", "add_model_arguments", "get_model", "str2bool"]
+
+# Flag defaults, also used to fill hyper-parameters missing from an old config.
+MODEL_DEFAULTS: dict[str, Any] = dict(
+    model_name="valle", decoder_dim=1024, nhead=16, num_decoder_layers=12, scale_factor=1.0,
+    norm_first=True, add_prenet=False, prefix_mode=1, share_embedding=True, prepend_bos=False,
+    num_quantizers=8, num_text_tokens=512, dropout=0.1,
+)  # fmt: skip
+
+_MODEL_CLASSES = {"valle": VALLE, "vall-e": VALLE, "vallf": VALLF, "vall-f": VALLF}
+
+
+def str2bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    v = value.strip().lower()
+    if v in ("1", "true", "t", "yes", "y", "on"):
+        return True
+    if v in ("0", "false", "f", "no", "n", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {value!r}")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    d = MODEL_DEFAULTS
+    g = parser.add_argument_group("model")
+    g.add_argument(
+        "--model-name", type=str, default=d["model_name"], help="valle or vall-f (case-insensitive)"
+    )
+    g.add_argument("--decoder-dim", type=int, default=d["decoder_dim"], help="AR transformer width")
+    g.add_argument("--nhead", type=int, default=d["nhead"], help="attention heads")
+    g.add_argument("--num-decoder-layers", type=int, default=d["num_decoder_layers"])
+    g.add_argument("--scale-factor", type=float, default=d["scale_factor"],
+                   help="NAR width/heads/layers = AR ones x this")  # fmt: skip
+    g.add_argument(
+        "--norm-first", type=str2bool, default=d["norm_first"], help="pre-norm (true) or post-norm"
+    )
+    g.add_argument("--add-prenet", type=str2bool, default=d["add_prenet"])
+    g.add_argument("--prefix-mode", type=int, default=d["prefix_mode"], choices=[0, 1, 2, 4],
+                   help="NAR prompt: 0 none, 1 prefix, 2 random segment, 4 other utterance")  # fmt: skip
+    g.add_argument("--share-embedding", type=str2bool, default=d["share_embedding"],
+                   help="tie output heads to audio embeddings")  # fmt: skip
+    g.add_argument(
+        "--prepend-bos", type=str2bool, default=d["prepend_bos"], help="BOS before AR audio"
+    )
+    g.add_argument("--num-quantizers", type=int, default=d["num_quantizers"])
+    g.add_argument(
+        "--num-text-tokens", type=int, default=d["num_text_tokens"], help="text vocabulary size"
+    )
+    g.add_argument("--dropout", type=float, default=d["dropout"])
+
+
+def model_hparams(params: Any) -> dict[str, Any]:
+    """The model's hyper-parameters from a Namespace/dataclass/dict; missing ones take defaults."""
+    get = params.get if isinstance(params, Mapping) else (lambda k, dflt: getattr(params, k, dflt))
+    hp = {k: get(k, v) for k, v in MODEL_DEFAULTS.items()}
+    for k in ("norm_first", "add_prenet", "share_embedding", "prepend_bos"):
+        hp[k] = str2bool(hp[k])
+    for k in (
+        "decoder_dim",
+        "nhead",
+        "num_decoder_layers",
+        "prefix_mode",
+        "num_quantizers",
+        "num_text_tokens",
+    ):
+        hp[k] = int(hp[k])
+    hp["scale_factor"], hp["dropout"] = float(hp["scale_factor"]), float(hp["dropout"])
+    hp["model_name"] = str(hp["model_name"]).lower()
+    return hp
+
+
+def get_model(params: Any) -> VALLE | VALLF:
+    hp = model_hparams(params)
+    cls = _MODEL_CLASSES.get(hp["model_name"])
+    if cls is None:
+        raise ValueError(f"unknown --model-name {hp['model_name']!r}: use valle or vall-f")
+    return cls(**hp)

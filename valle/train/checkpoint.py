@@ -180,15 +180,17 @@ def load_checkpoint(
     return payload
 
 
-def _peek_order(path: Path) -> tuple[int, int] | None:
-    """(step, epoch) of a checkpoint without reading its tensors, or None if unreadable."""
+def _peek_order(path: Path, prefer_stage: int | None = None) -> tuple[int, int, int] | None:
+    """(stage matches, step, epoch) of a checkpoint without reading its tensors, or None
+    if unreadable. With `prefer_stage`, checkpoints of that train stage sort first."""
     try:
         payload = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception:
         return None
     if _check_payload(payload) is not None:
         return None
-    return payload["step"], payload["epoch"]
+    same_stage = int(prefer_stage is None or payload.get("train_stage") == prefer_stage)
+    return same_stage, payload["step"], payload["epoch"]
 
 
 def list_checkpoints(exp_dir: str | os.PathLike) -> list[Path]:
@@ -204,7 +206,7 @@ def list_checkpoints(exp_dir: str | os.PathLike) -> list[Path]:
 
 
 def find_latest_checkpoint(
-    exp_dir: str | os.PathLike, map_location: Any = "cpu"
+    exp_dir: str | os.PathLike, map_location: Any = "cpu", prefer_stage: int | None = None
 ) -> tuple[Path, dict[str, Any]] | None:
     """The newest valid checkpoint in ``exp_dir`` and its payload, or None.
 
@@ -214,12 +216,12 @@ def find_latest_checkpoint(
     """
     candidates: list[tuple[tuple, Path]] = []
     for path in list_checkpoints(exp_dir):
-        order = _peek_order(path)
+        order = _peek_order(path, prefer_stage)
         if order is None:
             log.warning("Checkpoint %s is unreadable (truncated or corrupt); skipping it", path)
             continue
         is_step_ckpt = 1 if _CHECKPOINT_RE.match(path.name) else 0
-        candidates.append(((order[0], order[1], is_step_ckpt, path.stat().st_mtime), path))
+        candidates.append(((*order, is_step_ckpt, path.stat().st_mtime), path))
     for _, path in sorted(candidates, key=lambda c: c[0], reverse=True):
         try:
             return path, load_checkpoint(path, map_location=map_location)

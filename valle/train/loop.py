@@ -213,7 +213,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
     )
     data = build_train_data(cfg, ctx, quarantine)
     run = Run(cfg, ctx, model, optimizer, scheduler, scaler, averager, stepper, data, quarantine,
-              TensorBoardLogger(cfg.exp_dir / "tensorboard", enabled=cfg.tensorboard and ctx.is_main),
+              TensorBoardLogger(cfg.exp_dir / "tensorboard" / f"stage{cfg.train_stage}", enabled=cfg.tensorboard and ctx.is_main),
               StallWatchdog(cfg.stall_factor, cfg.stall_min_seconds,
                             cfg.exp_dir / "log" / f"stall-rank{ctx.rank}.txt", ctx.rank))
     if payload is not None:
@@ -255,7 +255,9 @@ def find_resume_payload(cfg: TrainConfig) -> dict | None:
         return load_checkpoint(cfg.exp_dir / f"checkpoint-{cfg.start_batch}.pt")
     if cfg.start_epoch > 1:
         return load_checkpoint(cfg.exp_dir / f"epoch-{cfg.start_epoch - 1}.pt")
-    found = find_latest_checkpoint(cfg.exp_dir)
+    # A stage-2 run in the AR run's directory continues its own checkpoints once it
+    # has some, and starts from the newest AR one (a stage switch) before that.
+    found = find_latest_checkpoint(cfg.exp_dir, prefer_stage=cfg.train_stage)
     if found is None:
         return None
     path, payload = found

@@ -1,0 +1,47 @@
+"""Token sampling for AR decoding: temperature, top-k, top-p (nucleus)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = -100, top_p: float = 1.0) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k and outside the top-p nucleus.
+
+    ``top_k <= 0`` disables top-k (VALL-E recipes pass -100); ``top_p >= 1`` disables top-p.
+    The most likely token always survives, so a row never ends with nothing to sample.
+    """
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass *before* it already reaches top_p (keeps the first).
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    *,
+    top_k: int = -100,
+    top_p: float = 1.0,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Draw one token per row from ``logits`` (B, V) -> LongTensor (B,).
+
+    ``top_k == 1`` or ``temperature <= 0`` is greedy (argmax, no randomness).
+    """
+    logits = logits.float()
+    if top_k == 1 or temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = filter_logits(logits / temperature, top_k=top_k, top_p=top_p)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

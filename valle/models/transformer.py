@@ -1,0 +1,234 @@
+"""Transformer blocks on scaled_dot_product_attention: fused QKV, pre/post-norm,
+adaptive layer norm (AdaLN) conditioning, optional cross-attention, KV cache.
+
+Masks follow SDPA's boolean convention: True = may attend. They are built once per
+batch by the model and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class KVCache:
+    """Keys/values of one attention layer, preallocated to ``max_len`` positions.
+
+    Allocation is lazy so the cache takes the dtype the projections produce
+    (bf16/fp16 under autocast, the model dtype otherwise).
+    """
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = k.shape[2]
+        if self.k is None:
+            b, h, _, d = k.shape
+            self.k = k.new_empty(b, h, self.max_len, d)
+            self.v = v.new_empty(b, h, self.max_len, d)
+        if self.length + n > self.max_len:
+            raise RuntimeError(f"KV cache overflow: {self.length} + {n} > {self.max_len}")
+        self.k[:, :, self.length : self.length + n] = k
+        self.v[:, :, self.length : self.length + n] = v
+        self.length += n
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+
+
+class LayerCache:
+    """Self-attention cache plus (for cross-attention layers) the memory's keys/values."""
+
+    def __init__(self, max_len: int):
+        self.self_attn = KVCache(max_len)
+        self.memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention; self-attention uses one fused QKV projection."""
+
+    def __init__(self, dim: int, nhead: int, dropout: float, cross: bool = False):
+        super().__init__()
+        if dim % nhead:
+            raise ValueError(f"width {dim} is not divisible by {nhead} heads")
+        self.nhead, self.head_dim, self.cross = nhead, dim // nhead, cross
+        self.dropout = dropout
+        if cross:
+            self.q_proj = nn.Linear(dim, dim)
+            self.kv_proj = nn.Linear(dim, 2 * dim)
+        else:
+            self.qkv_proj = nn.Linear(dim, 3 * dim)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def _heads(self, x: torch.Tensor, parts: int) -> torch.Tensor:
+        b, n, _ = x.shape
+        # (B, N, parts*D) -> (parts, B, H, N, Dh)
+        return x.view(b, n, parts, self.nhead, self.head_dim).permute(2, 0, 3, 1, 4)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+        memory: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        b, n, d = x.shape
+        if self.cross:
+            q = self._heads(self.q_proj(x), 1)[0]
+            if cache is not None and cache.memory_kv is not None:
+                k, v = cache.memory_kv  # the text memory does not change while decoding
+            else:
+                k, v = self._heads(self.kv_proj(memory), 2).unbind(0)
+                if cache is not None:
+                    cache.memory_kv = (k, v)
+        else:
+            q, k, v = self._heads(self.qkv_proj(x), 3).unbind(0)
+            if cache is not None:
+                k, v = cache.self_attn.append(k, v)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.out_proj(out.transpose(1, 2).reshape(b, n, d))
+
+
+class AdaptiveLayerNorm(nn.Module):
+    """LayerNorm whose scale and shift come from a per-row condition (the NAR stage).
+
+    Initialised to the identity transform (scale 1, shift 0), so at the start it is a
+    plain LayerNorm and the stage dependence is learned.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, eps=eps)
+        self.proj = nn.Linear(dim, 2 * dim)
+        nn.init.zeros_(self.proj.weight)
+        with torch.no_grad():
+            self.proj.bias.copy_(torch.cat([torch.ones(dim), torch.zeros(dim)]))
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.proj(cond).unsqueeze(1).chunk(2, dim=-1)  # (B, 1, D) each
+        return scale * self.norm(x) + shift
+
+
+class TransformerLayer(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        nhead: int,
+        dropout: float,
+        norm_first: bool,
+        adaptive: bool = False,
+        cross: bool = False,
+        ff_mult: int = 4,
+    ):
+        super().__init__()
+        self.norm_first, self.adaptive, self.has_cross = norm_first, adaptive, cross
+        norm_cls = AdaptiveLayerNorm if adaptive else nn.LayerNorm
+        self.self_attn = MultiHeadAttention(dim, nhead, dropout)
+        self.norm1 = norm_cls(dim)
+        if cross:
+            self.cross_attn = MultiHeadAttention(dim, nhead, dropout, cross=True)
+            self.norm2 = norm_cls(dim)
+        self.linear1 = nn.Linear(dim, ff_mult * dim)
+        self.linear2 = nn.Linear(ff_mult * dim, dim)
+        self.norm3 = norm_cls(dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor, cond: torch.Tensor | None) -> torch.Tensor:
+        return norm(x, cond) if self.adaptive else norm(x)
+
+    def _ff(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(self.dropout(F.relu(self.linear1(x))))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+        cond: torch.Tensor | None = None,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        drop = self.dropout
+        if self.norm_first:
+            x = x + drop(self.self_attn(self._norm(self.norm1, x, cond), mask, cache=cache))
+            if self.has_cross:
+                h = self._norm(self.norm2, x, cond)
+                x = x + drop(self.cross_attn(h, memory_mask, memory=memory, cache=cache))
+            return x + drop(self._ff(self._norm(self.norm3, x, cond)))
+        x = self._norm(self.norm1, x + drop(self.self_attn(x, mask, cache=cache)), cond)
+        if self.has_cross:
+            x = self._norm(
+                self.norm2,
+                x + drop(self.cross_attn(x, memory_mask, memory=memory, cache=cache)),
+                cond,
+            )
+        return self._norm(self.norm3, x + drop(self._ff(x)), cond)
+
+
+class TransformerStack(nn.Module):
+    """Layers plus a final norm when pre-norm (the residual stream is otherwise unnormalised)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        dim: int,
+        nhead: int,
+        dropout: float,
+        norm_first: bool,
+        adaptive: bool = False,
+        cross: bool = False,
+    ):
+        super().__init__()
+        self.adaptive = adaptive
+        self.layers = nn.ModuleList(
+            TransformerLayer(dim, nhead, dropout, norm_first, adaptive, cross)
+            for _ in range(num_layers)
+        )
+        self.final_norm: nn.Module | None = None
+        if norm_first:
+            self.final_norm = AdaptiveLayerNorm(dim) if adaptive else nn.LayerNorm(dim)
+
+    def new_caches(self, max_len: int) -> list[LayerCache]:
+        return [LayerCache(max_len) for _ in self.layers]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+        cond: torch.Tensor | None = None,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+        caches: list[LayerCache] | None = None,
+    ) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x, mask, cond, memory, memory_mask, None if caches is None else caches[i])
+        if self.final_norm is not None:
+            x = self.final_norm(x, cond) if self.adaptive else self.final_norm(x)
+        return x
+
+
+def prefix_causal_mask(key_valid: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """(B, 1, L, L) mask for [prefix; sequence] with key padding.
+
+    Query q may see key k when k is a valid key and either k is in the prefix
+    (columns < prefix_len, the text) or k <= q. So the prefix attends within itself
+    only (it has no column beyond prefix_len - 1 to see) and the rest is causal.
+    Every query also sees itself, so a padded query never has an empty row (SDPA
+    would return NaN); padded queries are never keys of valid ones.
+    prefix_len = 0 gives a plain causal mask.
+    """
+    length = key_valid.shape[1]
+    idx = torch.arange(length, device=key_valid.device)
+    structure = (idx[None, :] < prefix_len) | (idx[None, :] <= idx[:, None])  # (L, L) [q, k]
+    eye = idx[None, :] == idx[:, None]
+    return ((structure & key_valid[:, None, :]) | eye).unsqueeze(1)
+
+
+def key_padding_mask(key_valid: torch.Tensor) -> torch.Tensor:
+    """(B, 1, 1, L): every query may see every valid key."""
+    return key_valid[:, None, None, :]

@@ -1,0 +1,601 @@
+"""VALL-E (decoder-only) and VALL-F (text as cross-attention memory).
+
+Both have two halves with separate parameters (``ar_*`` and ``nar_*``):
+
+* AR: predicts codebook 0 frame by frame from the text, EOS id ``NUM_AUDIO_TOKENS``.
+* NAR: predicts codebook j (1..Q-1) of every frame at once from the text and the sum
+  of the embeddings of codebooks < j, conditioned on j through adaptive layer norm.
+
+Training draws, per row, the NAR stage j and the prompt/prefix length from that
+row's ``sample_seeds`` entry (see ``rng.py``), so any split of a batch gives the same
+per-row values. Layout of a batch: text padded to S columns, then audio; padding is
+handled by key masks and per-row positions, never by per-row Python loops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .embedding import AudioPrenet, SinePositionalEncoding, TextPrenet
+from .rng import randint_per_row, row_uniforms
+from .sampling import sample
+from .transformer import LayerCache, TransformerStack, key_padding_mask, prefix_causal_mask
+
+NUM_AUDIO_TOKENS = 1024  # EnCodec codebook size; also the audio pad id and the AR EOS id
+MAX_PROMPT_FRAMES = 225  # 3 s at 75 Hz: cap on the training prefix, as in VALL-E recipes
+IGNORE = -100
+
+# Random streams drawn per row from sample_seeds (distinct streams are independent).
+STREAM_NAR_STAGE = 0
+STREAM_PREFIX_LEN = 1
+STREAM_PREFIX_START = 2
+
+
+def _lengths_to_valid(lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    return torch.arange(max_len, device=lens.device)[None, :] < lens[:, None]
+
+
+def pack_sequences(
+    a: torch.Tensor, a_lens: torch.Tensor, b: torch.Tensor, b_lens: torch.Tensor, pad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise concatenation a[:a_len] ++ b[:b_len] of (B, L, Q) code tensors, padded with ``pad``."""
+    lens = a_lens + b_lens
+    total = int(lens.max()) if lens.numel() else 0
+    bsz, _, q = b.shape
+    cols = torch.arange(total, device=b.device)[None, :].expand(bsz, total)
+    ib = (cols - a_lens[:, None]).clamp(0, max(b.shape[1] - 1, 0))
+    out = (
+        b.gather(1, ib[..., None].expand(-1, -1, q))
+        if b.shape[1]
+        else b.new_full((bsz, total, q), pad)
+    )
+    if a.shape[1]:
+        ia = cols.clamp(max=a.shape[1] - 1)
+        from_a = cols < a_lens[:, None]
+        out = torch.where(from_a[..., None], a.gather(1, ia[..., None].expand(-1, -1, q)), out)
+    return out.masked_fill(~(cols < lens[:, None])[..., None], pad), lens
+
+
+class _VALLEBase(nn.Module):
+    """Everything VALL-E and VALL-F share; subclasses say how text and audio meet."""
+
+    cross_attention = False
+
+    def __init__(
+        self,
+        *,
+        decoder_dim: int = 1024,
+        nhead: int = 16,
+        num_decoder_layers: int = 12,
+        scale_factor: float = 1.0,
+        norm_first: bool = True,
+        add_prenet: bool = False,
+        prefix_mode: int = 1,
+        share_embedding: bool = True,
+        prepend_bos: bool = False,
+        num_quantizers: int = 8,
+        num_text_tokens: int = 512,
+        dropout: float = 0.1,
+        model_name: str = "valle",
+    ):
+        super().__init__()
+        if prefix_mode not in (0, 1, 2, 4):
+            raise ValueError(f"--prefix-mode must be 0, 1, 2 or 4, got {prefix_mode}")
+        if num_quantizers < 1:
+            raise ValueError(f"--num-quantizers must be >= 1, got {num_quantizers}")
+        self.hparams: dict[str, Any] = dict(
+            model_name=model_name, decoder_dim=decoder_dim, nhead=nhead,
+            num_decoder_layers=num_decoder_layers, scale_factor=scale_factor,
+            norm_first=norm_first, add_prenet=add_prenet, prefix_mode=prefix_mode,
+            share_embedding=share_embedding, prepend_bos=prepend_bos,
+            num_quantizers=num_quantizers, num_text_tokens=num_text_tokens, dropout=dropout,
+        )  # fmt: skip
+        self.prefix_mode, self.num_quantizers = prefix_mode, num_quantizers
+        self.share_embedding, self.prepend_bos = share_embedding, prepend_bos
+        self.num_text_tokens = num_text_tokens
+        d = decoder_dim
+        nar_d = int(decoder_dim * scale_factor)
+        nar_heads = max(1, int(nhead * scale_factor))
+        nar_layers = max(1, int(num_decoder_layers * scale_factor))
+        self.ar_dim, self.nar_dim = d, nar_d
+        vocab = NUM_AUDIO_TOKENS
+
+        # --- AR: text + codebook 0 (+ EOS, + BOS when prepended) ---
+        self.ar_text_embedding = nn.Embedding(num_text_tokens, d)
+        self.ar_audio_embedding = nn.Embedding(vocab + 1 + int(prepend_bos), d)
+        self.ar_text_prenet = TextPrenet(d, dropout) if add_prenet else None
+        self.ar_audio_prenet = AudioPrenet(d, dropout) if add_prenet else None
+        self.ar_text_position = SinePositionalEncoding(d, dropout)
+        self.ar_audio_position = SinePositionalEncoding(d, dropout)
+        self.ar_decoder = TransformerStack(
+            num_decoder_layers, d, nhead, dropout, norm_first, cross=self.cross_attention
+        )
+        # Tied head: logits from the audio embedding rows 0..1024 (EOS included).
+        self.ar_predict_layer = None if share_embedding else nn.Linear(d, vocab + 1, bias=False)
+
+        # --- NAR: codebooks 1..Q-1 ---
+        if num_quantizers > 1:
+            self.nar_text_embedding = nn.Embedding(num_text_tokens, nar_d)
+            # One table per codebook, stacked so all Q lookups are one embedding call;
+            # row 1024 (pad) exists so padded frames index safely (they are masked out).
+            self.nar_audio_embedding = nn.Parameter(torch.randn(num_quantizers, vocab + 1, nar_d))
+            self.nar_text_position = SinePositionalEncoding(nar_d, dropout)
+            self.nar_audio_position = SinePositionalEncoding(nar_d, dropout)
+            self.nar_stage_embedding = nn.Embedding(num_quantizers - 1, nar_d)
+            self.nar_decoder = TransformerStack(
+                nar_layers, nar_d, nar_heads, dropout, norm_first, adaptive=True,
+                cross=self.cross_attention,
+            )  # fmt: skip
+            # Stacked heads, one per stage, gathered per row. Tied: the head of stage j
+            # is the embedding table of codebook j (what it predicts).
+            self.nar_predict_weight = (
+                None if share_embedding
+                else nn.Parameter(torch.randn(num_quantizers - 1, vocab, nar_d) * nar_d**-0.5)
+            )  # fmt: skip
+
+    # ------------------------------------------------------------------ params
+    def stage_parameters(self, train_stage: int) -> list[tuple[str, nn.Parameter]]:
+        """Parameters trained in ``train_stage``: 0 all, 1 the ``ar_*`` ones, 2 the ``nar_*`` ones.
+
+        The AR and NAR halves share nothing (each has its own text embedding), so
+        stage 1 and 2 partition the parameters, as in lifeiteng/vall-e.
+        """
+        if train_stage not in (0, 1, 2):
+            raise ValueError(f"train_stage must be 0, 1 or 2, got {train_stage}")
+        named = list(self.named_parameters())
+        if train_stage == 0:
+            return named
+        prefix = "ar_" if train_stage == 1 else "nar_"
+        return [(n, p) for n, p in named if n.startswith(prefix)]
+
+    # --------------------------------------------------------------- embedding
+    def _ar_embed_text(self, text: torch.Tensor, text_valid: torch.Tensor) -> torch.Tensor:
+        x = self.ar_text_embedding(text)
+        if self.ar_text_prenet is not None:
+            x = self.ar_text_prenet(x, text_valid)
+        pos = torch.arange(text.shape[1], device=text.device)
+        return self.ar_text_position(x, pos)
+
+    def _ar_embed_audio(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        y = self.ar_audio_embedding(tokens)
+        if self.ar_audio_prenet is not None:
+            y = self.ar_audio_prenet(y)
+        return self.ar_audio_position(y, positions)
+
+    def _ar_logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.ar_predict_layer is not None:
+            return self.ar_predict_layer(h)
+        # Scale keeps tied logits O(1) at init (embeddings are N(0, 1)).
+        weight = self.ar_audio_embedding.weight[: NUM_AUDIO_TOKENS + 1]
+        return F.linear(h * self.ar_dim**-0.5, weight)
+
+    def _nar_embed_text(self, text: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(text.shape[1], device=text.device)
+        return self.nar_text_position(self.nar_text_embedding(text), pos)
+
+    def _nar_embed_audio(self, codes: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
+        """Sum over codebooks k of E_k(codes[..., k]) where ``use[b, t, k]``.
+
+        codes (B, T, Q) with pad 1024 allowed; use (B, T, Q) bool. One gather from the
+        stacked table, then a weighted sum over Q: per-row stages, no loops.
+        """
+        q = codes.shape[-1]
+        table = self.nar_audio_embedding
+        offsets = torch.arange(q, device=codes.device) * table.shape[1]
+        emb = F.embedding(codes + offsets, table.reshape(-1, table.shape[-1]))  # (B, T, Q, D)
+        y = torch.einsum("btqd,btq->btd", emb, use.to(emb.dtype))
+        pos = torch.arange(codes.shape[1], device=codes.device)
+        return self.nar_audio_position(y, pos)
+
+    def _nar_head(self, h: torch.Tensor, stage: torch.Tensor) -> torch.Tensor:
+        """Per-row output head: logits (B, T, 1024) of stage ``stage[b]`` for row b."""
+        if self.nar_predict_weight is not None:
+            weight = self.nar_predict_weight[stage - 1]
+        else:
+            weight = self.nar_audio_embedding[stage, :NUM_AUDIO_TOKENS] * self.nar_dim**-0.5
+        return torch.bmm(h, weight.transpose(1, 2).to(h.dtype))
+
+    # ----------------------------------------------- architecture-specific cores
+    def _ar_core(self, x, text_valid, y, audio_valid, caches=None):  # pragma: no cover
+        raise NotImplementedError
+
+    def _ar_core_step(self, y, text_valid, audio_valid, caches):  # pragma: no cover
+        raise NotImplementedError
+
+    def _nar_core(self, x, text_valid, y, audio_valid, cond):  # pragma: no cover
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- training
+    def forward(
+        self,
+        text_tokens: torch.Tensor,
+        text_tokens_lens: torch.Tensor,
+        audio_features: torch.Tensor,
+        audio_features_lens: torch.Tensor,
+        *,
+        train_stage: int = 0,
+        sample_seeds: torch.Tensor | None = None,
+        prompt_features: torch.Tensor | None = None,
+        prompt_features_lens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Summed cross entropy (AR + NAR) and detached sum metrics for this batch."""
+        if train_stage not in (0, 1, 2):
+            raise ValueError(f"train_stage must be 0, 1 or 2, got {train_stage}")
+        self._check_inputs(text_tokens, text_tokens_lens, audio_features, audio_features_lens)
+        device = audio_features.device
+        zero = torch.zeros((), device=device)
+        loss = zero
+        metrics = {k: zero for k in ("ar_loss", "nar_loss", "ar_top10_correct", "ar_frames",
+                                     "nar_top10_correct", "nar_frames")}  # fmt: skip
+        text_valid = _lengths_to_valid(text_tokens_lens, text_tokens.shape[1])
+        if train_stage in (0, 1):
+            ar_loss, correct, frames = self._ar_loss(
+                text_tokens, text_valid, audio_features[..., 0], audio_features_lens
+            )
+            loss = loss + ar_loss
+            metrics.update(ar_loss=ar_loss.detach(), ar_top10_correct=correct, ar_frames=frames)
+        if train_stage in (0, 2) and self.num_quantizers > 1:
+            nar_loss, correct, frames = self._nar_loss(
+                text_tokens, text_valid, audio_features, audio_features_lens,
+                sample_seeds, prompt_features, prompt_features_lens,
+            )  # fmt: skip
+            loss = loss + nar_loss
+            metrics.update(nar_loss=nar_loss.detach(), nar_top10_correct=correct, nar_frames=frames)
+        return loss, metrics
+
+    def _check_inputs(self, text, text_lens, audio, audio_lens) -> None:
+        if text.dim() != 2 or audio.dim() != 3:
+            raise ValueError(
+                f"expected text (B, S) and audio (B, T, Q), got {tuple(text.shape)} and {tuple(audio.shape)}"
+            )
+        if audio.shape[-1] < self.num_quantizers:
+            raise ValueError(
+                f"audio has {audio.shape[-1]} codebooks, the model needs {self.num_quantizers}"
+            )
+
+    @staticmethod
+    def _loss_and_top10(logits: torch.Tensor, targets: torch.Tensor):
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+            ignore_index=IGNORE, reduction="sum",
+        )  # fmt: skip
+        with torch.no_grad():
+            valid = targets != IGNORE
+            top10 = logits.topk(min(10, logits.shape[-1]), dim=-1).indices
+            hit = (top10 == targets.unsqueeze(-1)).any(-1) & valid
+            return loss, hit.sum().float(), valid.sum().float()
+
+    def _ar_loss(self, text, text_valid, codes0, audio_lens):
+        """Teacher-forced AR loss over codebook 0; the target after the last frame is EOS."""
+        eos, bsz, t_max = NUM_AUDIO_TOKENS, codes0.shape[0], codes0.shape[1]
+        y = codes0.masked_fill(~_lengths_to_valid(audio_lens, t_max), eos)
+        eos_col = y.new_full((bsz, 1), eos)
+        if self.prepend_bos:
+            inputs = torch.cat([y.new_full((bsz, 1), eos + 1), y], dim=1)
+            targets = torch.cat([y, eos_col], dim=1)
+            n_in = audio_lens + 1
+        else:
+            # Frame 0 is always given (by the prompt at inference), never predicted.
+            inputs, targets, n_in = y, torch.cat([y[:, 1:], eos_col], dim=1), audio_lens
+        in_valid = _lengths_to_valid(n_in, inputs.shape[1])
+        targets = targets.masked_fill(~in_valid, IGNORE)
+        x = self._ar_embed_text(text, text_valid)
+        pos = torch.arange(inputs.shape[1], device=inputs.device)
+        h = self._ar_core(x, text_valid, self._ar_embed_audio(inputs, pos), in_valid)
+        return self._loss_and_top10(self._ar_logits(h), targets)
+
+    def _nar_layout(self, codes, audio_lens, sample_seeds, prompt, prompt_lens):
+        """Per-row NAR input: packed codes, prompt length, valid length, loss mask."""
+        bsz, t_max, _ = codes.shape
+        device, mode = codes.device, self.prefix_mode
+        valid = _lengths_to_valid(audio_lens, t_max)
+        if mode == 0:
+            return codes, torch.zeros_like(audio_lens), audio_lens, valid
+        u = row_uniforms(sample_seeds, bsz, STREAM_PREFIX_LEN, device)
+        if mode == 1:
+            # Prefix of the same utterance, length in [len/4, len/2), at most 3 s.
+            quarter = audio_lens // 4
+            p = randint_per_row(u, quarter, 2 * quarter).clamp(max=MAX_PROMPT_FRAMES)
+            cols = torch.arange(t_max, device=device)[None, :]
+            return codes, p, audio_lens, valid & (cols >= p[:, None])
+        if mode == 2:
+            # A random segment of the utterance, placed in front as the prompt; its own
+            # frames are not predicted (the model would copy them).
+            p = (audio_lens // 4).clamp(max=MAX_PROMPT_FRAMES)
+            start = randint_per_row(
+                row_uniforms(sample_seeds, bsz, STREAM_PREFIX_START, device), 0, audio_lens - p + 1
+            )
+            seg_len = max(int(p.max()), 1)
+            idx = (start[:, None] + torch.arange(seg_len, device=device)).clamp(max=t_max - 1)
+            prompt = codes.gather(1, idx[..., None].expand(-1, -1, codes.shape[2]))
+        else:
+            if prompt is None or prompt_lens is None:
+                raise ValueError("--prefix-mode 4 needs prompt_features and prompt_features_lens")
+            p, start = prompt_lens.to(audio_lens.dtype), None
+            prompt = prompt[..., : codes.shape[2]]
+        packed, lens = pack_sequences(prompt, p, codes, audio_lens, NUM_AUDIO_TOKENS)
+        cols = torch.arange(packed.shape[1], device=device)[None, :]
+        target = (cols >= p[:, None]) & (cols < lens[:, None])
+        if start is not None:
+            t = cols - p[:, None]
+            target &= (t < start[:, None]) | (t >= start[:, None] + p[:, None])
+        return packed, p, lens, target
+
+    def _nar_loss(self, text, text_valid, codes, audio_lens, sample_seeds, prompt, prompt_lens):
+        q = self.num_quantizers
+        codes = codes[..., :q]
+        bsz = codes.shape[0]
+        u = row_uniforms(sample_seeds, bsz, STREAM_NAR_STAGE, codes.device)
+        stage = randint_per_row(u, 1, q)  # (B,) in 1..Q-1
+        packed, p, lens, target_mask = self._nar_layout(
+            codes, audio_lens, sample_seeds, prompt, prompt_lens
+        )
+        length = packed.shape[1]
+        audio_valid = _lengths_to_valid(lens, length)
+        targets = packed.gather(2, stage[:, None, None].expand(-1, length, 1)).squeeze(2)
+        targets = targets.masked_fill(~target_mask, IGNORE)
+        h = self._nar_hidden(text, text_valid, packed, p, audio_valid, stage, prompt_full=True)
+        return self._loss_and_top10(self._nar_head(h, stage), targets)
+
+    def _nar_hidden(self, text, text_valid, packed, p, audio_valid, stage, prompt_full: bool):
+        """NAR decoder output over the audio columns for per-row stages ``stage``."""
+        q = self.num_quantizers
+        k = torch.arange(q, device=packed.device)
+        use = k[None, None, :] < stage[:, None, None]  # codebooks below the stage
+        if prompt_full:  # prompt frames carry every codebook
+            cols = torch.arange(packed.shape[1], device=packed.device)
+            use = use | (cols[None, :] < p[:, None])[..., None]
+        use = use & audio_valid[..., None]
+        x = self._nar_embed_text(text)
+        y = self._nar_embed_audio(packed, use)
+        cond = self.nar_stage_embedding(stage - 1)
+        return self._nar_core(x, text_valid, y, audio_valid, cond)
+
+    # --------------------------------------------------------------- inference
+    @torch.no_grad()
+    def inference(
+        self,
+        text_tokens: torch.Tensor,
+        text_tokens_lens: torch.Tensor,
+        prompt_codes: torch.Tensor,
+        prompt_lens: torch.Tensor | None = None,
+        *,
+        top_k: int = -100,
+        top_p: float = 1.0,
+        temperature: float = 1.0,
+        max_len_ratio: float = 16.0,
+        use_kv_cache: bool = True,
+        seed: int | None = None,
+        force_len: int | None = None,
+        return_lens: bool = False,
+    ):
+        """Synthesize codes (B, T, Q) for several texts at once, each after its prompt.
+
+        ``text_tokens`` holds the prompt's text followed by the text to say; the AR
+        continues the prompt's codebook 0 until EOS (per row) or ``max_len_ratio`` x the
+        row's text length frames; the NAR then fills codebooks 1..Q-1 greedily. Rows
+        shorter than T are padded with 1024; ``return_lens=True`` also returns lengths.
+        ``force_len`` ignores EOS and generates exactly that many frames (benchmarks).
+        Raises ValueError when a row's first generated token is EOS.
+        """
+        device = text_tokens.device
+        bsz, p_max = prompt_codes.shape[0], prompt_codes.shape[1]
+        if prompt_lens is None:
+            prompt_lens = torch.full((bsz,), p_max, dtype=torch.long, device=device)
+        prompt_codes = prompt_codes[..., : self.num_quantizers]
+        gen0, gen_lens = self._ar_generate(
+            text_tokens, text_tokens_lens, prompt_codes[..., 0], prompt_lens,
+            top_k=top_k, top_p=top_p, temperature=temperature, max_len_ratio=max_len_ratio,
+            use_kv_cache=use_kv_cache, seed=seed, force_len=force_len,
+        )  # fmt: skip
+        codes = self._nar_generate(
+            text_tokens, text_tokens_lens, prompt_codes, prompt_lens, gen0, gen_lens
+        )
+        return (codes, gen_lens) if return_lens else codes
+
+    @torch.no_grad()
+    def continual(
+        self,
+        text_tokens: torch.Tensor,
+        text_tokens_lens: torch.Tensor,
+        audio_features: torch.Tensor,
+        audio_features_lens: torch.Tensor | None = None,
+        *,
+        prompt_lens: torch.Tensor | None = None,
+        return_lens: bool = False,
+    ):
+        """Codebook 0 from ground truth, the NAR predicts the rest.
+
+        The first ``prompt_lens`` frames (default min(len/2, 3 s) per row) are the
+        prompt; returns codes (B, T, Q) of the frames after it (padded with 1024).
+        ``text_tokens`` is the text of the whole utterance.
+        """
+        bsz, t_max, _ = audio_features.shape
+        device = audio_features.device
+        audio_features = audio_features[..., : self.num_quantizers]
+        if audio_features_lens is None:
+            audio_features_lens = torch.full((bsz,), t_max, dtype=torch.long, device=device)
+        if prompt_lens is None:
+            prompt_lens = (audio_features_lens // 2).clamp(max=MAX_PROMPT_FRAMES)
+        gen_lens = audio_features_lens - prompt_lens
+        g_max = max(int(gen_lens.max()), 0)
+        idx = (prompt_lens[:, None] + torch.arange(g_max, device=device)).clamp(max=t_max - 1)
+        gen0 = audio_features[..., 0].gather(1, idx)
+        gen0 = gen0.masked_fill(~_lengths_to_valid(gen_lens, g_max), NUM_AUDIO_TOKENS)
+        codes = self._nar_generate(
+            text_tokens, text_tokens_lens, audio_features, prompt_lens, gen0, gen_lens
+        )
+        return (codes, gen_lens) if return_lens else codes
+
+    def _ar_generate(
+        self, text, text_lens, prompt0, prompt_lens, *, top_k, top_p, temperature,
+        max_len_ratio, use_kv_cache, seed, force_len,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        device, bsz = text.device, text.shape[0]
+        eos = NUM_AUDIO_TOKENS
+        if int(text.max()) >= self.num_text_tokens or int(text.min()) < 0:
+            raise ValueError(
+                f"text token ids must be in [0, {self.num_text_tokens}), got {int(text.max())}"
+            )
+        text_valid = _lengths_to_valid(text_lens, text.shape[1])
+        bos = int(self.prepend_bos)
+        if bos:
+            prompt0 = torch.cat([prompt0.new_full((bsz, 1), eos + 1), prompt0], dim=1)
+        n_in = prompt_lens + bos
+        if int(n_in.min()) < 1:
+            raise ValueError(
+                "AR decoding needs at least one prompt frame per row (or --prepend-bos true)"
+            )
+        # Right-align each row's prompt so every row's last prompt frame is the last
+        # column: one shared column for the next token, per-row positions stay exact.
+        width = prompt0.shape[1]
+        src = torch.arange(width, device=device)[None, :] - (width - n_in)[:, None]
+        audio_valid = src >= 0
+        tokens = prompt0.gather(1, src.clamp(min=0)).masked_fill(~audio_valid, eos)
+        positions = src.clamp(min=0)
+        if force_len is not None:
+            caps = torch.full((bsz,), int(force_len), device=device, dtype=torch.long)
+        else:
+            caps = torch.floor(text_lens.double() * max_len_ratio).long()
+        max_new = int(caps.max())
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=device).manual_seed(int(seed))
+
+        x = self._ar_embed_text(text, text_valid)
+        caches: list[LayerCache] | None = None
+        if use_kv_cache:
+            own = width + max_new + (0 if self.cross_attention else text.shape[1])
+            caches = self.ar_decoder.new_caches(own)
+        h = self._ar_core(
+            x, text_valid, self._ar_embed_audio(tokens, positions), audio_valid, caches
+        )
+        logits = self._ar_logits(h[:, -1])
+
+        out: list[torch.Tensor] = []
+        done = torch.zeros(bsz, dtype=torch.bool, device=device)
+        lens = torch.zeros(bsz, dtype=torch.long, device=device)
+        for i in range(max_new):
+            if force_len is not None:
+                logits[:, eos] = float("-inf")
+            tok = sample(
+                logits, top_k=top_k, top_p=top_p, temperature=temperature, generator=generator
+            )
+            is_eos = tok == eos
+            if i == 0 and bool(is_eos.any()):
+                rows = is_eos.nonzero().flatten().tolist()
+                raise ValueError(
+                    f"the AR model emitted EOS as the first token for batch row(s) {rows}: "
+                    "no audio to synthesise (untrained checkpoint, or text/prompt mismatch)"
+                )
+            stop = is_eos | (i >= caps)
+            lens = torch.where(stop & ~done, torch.full_like(lens, i), lens)
+            done = done | stop
+            tok = tok.masked_fill(done, eos)
+            out.append(tok)
+            if bool(done.all()):
+                break
+            new_pos = n_in + i
+            if i + 1 == max_new:
+                break  # no further token will be sampled: skip the last model call
+            y_new = self._ar_embed_audio(tok[:, None], new_pos[:, None])
+            audio_valid = torch.cat([audio_valid, torch.ones_like(audio_valid[:, :1])], dim=1)
+            if caches is not None:
+                h = self._ar_core_step(y_new, text_valid, audio_valid, caches)
+            else:
+                tokens = torch.cat([tokens, tok[:, None]], dim=1)
+                positions = torch.cat([positions, new_pos[:, None]], dim=1)
+                h = self._ar_core(
+                    x, text_valid, self._ar_embed_audio(tokens, positions), audio_valid
+                )
+            logits = self._ar_logits(h[:, -1])
+        lens = torch.where(done, lens, torch.full_like(lens, len(out)))
+        if bool((lens == 0).any()):
+            rows = (lens == 0).nonzero().flatten().tolist()
+            raise ValueError(
+                f"no frames generated for batch row(s) {rows}: max_len_ratio={max_len_ratio} too small"
+            )
+        gen = torch.stack(out, dim=1)[:, : int(lens.max())]
+        return gen, lens
+
+    def _nar_generate(self, text, text_lens, prompt, prompt_lens, gen0, gen_lens) -> torch.Tensor:
+        """Greedy NAR over codebooks 1..Q-1 after the AR (or ground-truth) codebook 0."""
+        q, bsz = self.num_quantizers, gen0.shape[0]
+        gen = gen0.new_full((bsz, gen0.shape[1], q), NUM_AUDIO_TOKENS)
+        gen[..., 0] = gen0
+        if q == 1:
+            return gen
+        text_valid = _lengths_to_valid(text_lens, text.shape[1])
+        packed, lens = pack_sequences(prompt, prompt_lens, gen, gen_lens, NUM_AUDIO_TOKENS)
+        length = packed.shape[1]
+        cols = torch.arange(length, device=packed.device)[None, :]
+        audio_valid = cols < lens[:, None]
+        is_gen = audio_valid & (cols >= prompt_lens[:, None])
+        # Prefix mode 0 never saw a prompt carrying all codebooks: give it what it was trained on.
+        prompt_full = self.prefix_mode != 0
+        for j in range(1, q):
+            stage = torch.full((bsz,), j, dtype=torch.long, device=packed.device)
+            h = self._nar_hidden(
+                text, text_valid, packed, prompt_lens, audio_valid, stage, prompt_full
+            )
+            pred = self._nar_head(h, stage).argmax(-1)
+            packed[..., j] = torch.where(is_gen, pred, packed[..., j])
+        g_max = gen.shape[1]
+        idx = (prompt_lens[:, None] + torch.arange(g_max, device=packed.device)).clamp(
+            max=length - 1
+        )
+        out = packed.gather(1, idx[..., None].expand(-1, -1, q))
+        return out.masked_fill(~_lengths_to_valid(gen_lens, g_max)[..., None], NUM_AUDIO_TOKENS)
+
+
+class VALLE(_VALLEBase):
+    """Decoder-only: one sequence [text; audio]; text sees text, audio sees text + past audio."""
+
+    cross_attention = False
+
+    def _ar_core(self, x, text_valid, y, audio_valid, caches=None):
+        key_valid = torch.cat([text_valid, audio_valid], dim=1)
+        mask = prefix_causal_mask(key_valid, x.shape[1])
+        h = self.ar_decoder(torch.cat([x, y], dim=1), mask, caches=caches)
+        return h[:, x.shape[1] :]
+
+    def _ar_core_step(self, y, text_valid, audio_valid, caches):
+        # One new query at the last column: it may see every valid key so far.
+        mask = key_padding_mask(torch.cat([text_valid, audio_valid], dim=1))
+        return self.ar_decoder(y, mask, caches=caches)
+
+    def _nar_core(self, x, text_valid, y, audio_valid, cond):
+        mask = key_padding_mask(torch.cat([text_valid, audio_valid], dim=1))
+        h = self.nar_decoder(torch.cat([x, y], dim=1), mask, cond=cond)
+        return h[:, x.shape[1] :]
+
+
+class VALLF(_VALLEBase):
+    """Audio decoder with the (embedded) text as cross-attention memory."""
+
+    cross_attention = True
+
+    def _ar_core(self, x, text_valid, y, audio_valid, caches=None):
+        mask = prefix_causal_mask(audio_valid, 0)
+        return self.ar_decoder(
+            y, mask, memory=x, memory_mask=key_padding_mask(text_valid), caches=caches
+        )
+
+    def _ar_core_step(self, y, text_valid, audio_valid, caches):
+        return self.ar_decoder(
+            y, key_padding_mask(audio_valid), memory=None,
+            memory_mask=key_padding_mask(text_valid), caches=caches,
+        )  # fmt: skip
+
+    def _nar_core(self, x, text_valid, y, audio_valid, cond):
+        return self.nar_decoder(
+            y,
+            key_padding_mask(audio_valid),
+            cond=cond,
+            memory=x,
+            memory_mask=key_padding_mask(text_valid),
+        )
