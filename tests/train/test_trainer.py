@@ -148,3 +148,14 @@ def test_overlap_mode_recovers_the_same_backward_oom(tmp_path):
     results = values(run_world(train_worker, 2, args, timeout=120))
     assert all(r["ok"] and r["summary"]["steps"] == 3 for r in results)
     assert results[1]["summary"]["epochs"][0]["oom_events"] == 1
+
+
+def test_a_batch_left_empty_by_quarantine_does_not_end_the_epoch(tmp_path):
+    # batch size 1: the poisoned cut's step has no row left, yet data remains after it
+    summary = run_local(tmp_path / "exp", "--inject-fault", "forward@cut=syn-00003", cuts=6, batch=1,
+                        epochs=2)
+    first, second = summary.epochs
+    assert first["steps"] == second["steps"] == 6
+    assert first["cuts_trained"] == second["cuts_trained"] == 5
+    assert first["cuts_quarantined"] == second["cuts_quarantined"] == 1
+    assert first["oom_events"] == 1 and second["oom_events"] == 0

@@ -104,6 +104,7 @@ class Run:
     best_train: float = math.inf
     best_valid: float = math.inf
     scale_warned: bool = False
+    steps_per_epoch: int = 0  # learnt from the first full epoch, for the ETA
 
 
 def train(cfg: TrainConfig) -> TrainSummary:
@@ -156,6 +157,7 @@ def train_epochs(run: Run) -> TrainSummary:
             if cfg.max_steps and run.step >= cfg.max_steps:
                 break
         run.scheduler.step_epoch(epoch)
+        run.steps_per_epoch = run.steps_per_epoch or account.steps
         summary.epochs.append(close_epoch(run, epoch, account))
         if cfg.max_steps and run.step >= cfg.max_steps:
             break
@@ -346,9 +348,11 @@ def _best_payload(run: Run) -> dict:
 
 
 def step_metrics(r: StepResult) -> dict[str, float]:
-    values = {"loss": r.loss if r.applied else 0.0, "frames": r.frames if r.applied else 0}
+    values = {"loss": 0.0, "frames": 0.0}
     if r.applied:
         values.update(r.metrics)
+        # Logged loss is per *predicted* frame (AR + NAR), comparable across stages.
+        values.update(loss=r.loss, frames=r.metrics["ar_frames"] + r.metrics["nar_frames"])
     values.update(oom_events=r.ooms, retries=r.attempts - 1, quarantined=len(r.cuts_quarantined),
                   skipped_steps=int(r.skipped_nonfinite), repairs=r.repairs)
     return values
@@ -358,15 +362,18 @@ def log_progress(run: Run, totals: MetricsTracker, meter: ThroughputMeter, accou
     values = totals.normalized()
     lr = run.scheduler.get_last_lr()[0]
     scale = run.scaler.get_scale() if run.scaler is not None and run.scaler.is_enabled() else None
-    total = run.cfg.max_steps or run.data.steps_hint(run.cfg.num_epochs)
-    eta = meter.eta(run.step, total) if total else "?"
+    total = run.cfg.max_steps or run.data.steps_hint(run.cfg.num_epochs) or (
+        run.steps_per_epoch * run.cfg.num_epochs if run.steps_per_epoch else 0)
+    eta = meter.eta(run.step, total) if total else "? (known after the first epoch)"
     memory = torch.cuda.max_memory_allocated(run.ctx.device) / 2**20 if run.ctx.device.type == "cuda" else 0.0
+    parts = [f"loss {values.get('loss', math.nan):.4f}"]
+    for head in ("ar", "nar"):  # only the heads trained in this stage
+        if values.get(f"{head}_frames", 0) > 0:
+            parts.append(f"{head} {values[head + '_loss']:.4f} top10 {values[head + '_top10_acc']:.3f}")
     logger.info(
-        "epoch %d step %d | loss %.4f (ar %.4f nar %.4f) | top10 ar %.3f nar %.3f | lr %.2e | %s | ETA %s"
-        " | ooms %d retries %d quarantined %d skipped %d%s",
-        run.epoch, run.step, values.get("loss", math.nan), values.get("ar_loss", math.nan),
-        values.get("nar_loss", math.nan), values.get("ar_top10_acc", math.nan),
-        values.get("nar_top10_acc", math.nan), lr, meter, eta, int(values.get("oom_events", 0)),
+        "epoch %d step %d | %s | lr %.2e | %s | ETA %s | ooms %d retries %d quarantined %d "
+        "skipped %d%s",
+        run.epoch, run.step, " | ".join(parts), lr, meter, eta, int(values.get("oom_events", 0)),
         int(values.get("retries", 0)), int(values.get("quarantined", 0)),
         int(values.get("skipped_steps", 0)), f" | grad scale {scale:.3g}" if scale else "",
     )
@@ -393,11 +400,12 @@ def log_trained_cuts(run: Run, result: StepResult) -> None:
 def close_epoch(run: Run, epoch: int, account: EpochAccount) -> dict[str, Any]:
     """Per-epoch summary across ranks: cuts drawn = trained + quarantined + skipped."""
     counts = torch.tensor([account.drawn, account.trained, len(account.quarantined),
-                           len(account.skipped), account.ooms, account.retries],
+                           len(account.skipped), account.ooms],
                           dtype=torch.float64, device=run.ctx.device)
     if run.ctx.distributed:
         dist.all_reduce(counts, group=run.ctx.group)
-    drawn, trained, quarantined, skipped, ooms, retries = (int(x) for x in counts.tolist())
+    drawn, trained, quarantined, skipped, ooms = (int(x) for x in counts.tolist())
+    retries = account.retries  # every rank retries together: the local count is the global one
     record = {"epoch": epoch, "steps": account.steps, "cuts_drawn": drawn, "cuts_trained": trained,
               "cuts_quarantined": quarantined, "cuts_skipped": skipped, "oom_events": ooms,
               "retries": retries, "quarantined_ids": account.quarantined,

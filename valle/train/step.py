@@ -195,6 +195,7 @@ class ResilientStep:
         self.state_damaged = False  # this rank's optimizer/averager state needs repair
         self._phase = "idle"
         self._split = 1
+        self._dry = False
         if hasattr(sync, "on_launch") and sync.on_launch is None:
             sync.on_launch = self._on_bucket_launch
         self.is_ddp = getattr(sync, "mode", "") == "ddp"
@@ -206,6 +207,8 @@ class ResilientStep:
 
         `initial_split` micro-batches to begin with (--accumulate-grad-steps)."""
         result = StepResult(step=step, cuts_drawn=list(batch["cut_ids"]) if batch else [])
+        # "Done" means no data left, not "every row quarantined": that rank still has data.
+        self._dry = batch is None
         batch, already = self._drop_quarantined(batch)
         result.cuts_quarantined += already
         split = min(initial_split, batch_size(batch)) if batch else 1
@@ -279,8 +282,8 @@ class ResilientStep:
             failure = self._failure(exc, batch)
         else:
             self._phase = "idle"
-            return {"loss": loss.detach(), "frames": frame_count(batch),
-                    **{k: v.detach().float() for k, v in metrics.items() if k in METRIC_KEYS}}
+            sums = {k: v.detach().float() for k, v in metrics.items() if k in METRIC_KEYS}
+            return {"loss": loss.detach(), "frames": sums["ar_frames"] + sums["nar_frames"], **sums}
         self._cleanup()
         self._report(-1, failure, batch)
         return {"valid_oom_batches": 1}
@@ -319,7 +322,7 @@ class ResilientStep:
                 if local.failure is not None:
                     break
         self._complete_sync(step, local)
-        vote = self._vote(local, done=batch is None)
+        vote = self._vote(local, done=self._dry)
         self.sync.wait()
         return local, vote
 
@@ -388,7 +391,7 @@ class ResilientStep:
             self._cleanup()
             self._report(step, local.failure, micro)
             break
-        vote = self._vote(local, done=batch is None)
+        vote = self._vote(local, done=self._dry)
         if vote.failed or vote.done or vote.nonfinite or vote.bad_ranks:
             pending = None  # nobody runs the synced backward: no collective is issued
         elif pending is not None:

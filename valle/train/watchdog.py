@@ -77,7 +77,7 @@ class StallWatchdog:
 
     def _fire(self, age: float) -> None:
         limit, grace = self.limit(), self.grace_seconds()
-        message = (f"rank {self.rank}: step {self._step} has run {age:.1f} s, over the stall limit "
+        message = (f"rank {self.rank}: step {self._step} has run {age:.2f} s, over the stall limit "
                    f"of {limit:.1f} s (--stall-factor {self.factor} x median step, at least "
                    f"--stall-min-seconds {self.min_seconds}); stacks of every thread follow, then "
                    f"exit {STALL_EXIT_CODE}")
