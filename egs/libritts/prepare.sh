@@ -15,18 +15,8 @@ dataset_parts="dev-clean test-clean train-clean-100"
 encodec_checkpoint=""
 num_jobs=4
 
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --*=*) name=${1%%=*}; value=${1#*=}; shift ;;
-    --*) name=$1; value=${2:?"$1 needs a value"}; shift 2 ;;
-    *) echo "$0: unexpected argument $1" >&2; exit 1 ;;
-  esac
-  name=${name#--}; name=${name//-/_}
-  case "$name" in
-    stage|stop_stage|python|data_dir|dataset_parts|encodec_checkpoint|num_jobs) printf -v "$name" '%s' "$value" ;;
-    *) echo "$0: unknown option --${name//_/-}" >&2; exit 1 ;;
-  esac
-done
+options="stage stop_stage python data_dir dataset_parts encodec_checkpoint num_jobs"
+. "$(dirname "${BASH_SOURCE[0]}")/../parse_options.sh"
 
 if [ "$dataset_parts" = "all" ]; then
   dataset_parts="dev-clean dev-other test-clean test-other train-clean-100 train-clean-360 train-other-500"

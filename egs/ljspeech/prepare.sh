@@ -15,18 +15,8 @@ num_jobs=4
 num_dev=300
 num_test=300
 
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --*=*) name=${1%%=*}; value=${1#*=}; shift ;;
-    --*) name=$1; value=${2:?"$1 needs a value"}; shift 2 ;;
-    *) echo "$0: unexpected argument $1" >&2; exit 1 ;;
-  esac
-  name=${name#--}; name=${name//-/_}
-  case "$name" in
-    stage|stop_stage|python|data_dir|encodec_checkpoint|num_jobs|num_dev|num_test) printf -v "$name" '%s' "$value" ;;
-    *) echo "$0: unknown option --${name//_/-}" >&2; exit 1 ;;
-  esac
-done
+options="stage stop_stage python data_dir encodec_checkpoint num_jobs num_dev num_test"
+. "$(dirname "${BASH_SOURCE[0]}")/../parse_options.sh"
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)

@@ -13,19 +13,8 @@ num_jobs=1
 encodec_checkpoint=""
 limit=""
 
-# icefall-style option parsing: --name value sets $name (dashes become underscores).
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --*=*) name=${1%%=*}; value=${1#*=}; shift ;;
-    --*) name=$1; value=${2:?"$1 needs a value"}; shift 2 ;;
-    *) echo "$0: unexpected argument $1" >&2; exit 1 ;;
-  esac
-  name=${name#--}; name=${name//-/_}
-  case "$name" in
-    stage|stop_stage|python|data_dir|num_jobs|encodec_checkpoint|limit) printf -v "$name" '%s' "$value" ;;
-    *) echo "$0: unknown option --${name//_/-}" >&2; exit 1 ;;
-  esac
-done
+options="stage stop_stage python data_dir num_jobs encodec_checkpoint limit"
+. "$(dirname "${BASH_SOURCE[0]}")/../parse_options.sh"
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)

@@ -11,18 +11,8 @@ nproc=2
 epochs=30
 python=${PYTHON:-python}
 
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --*=*) name=${1%%=*}; value=${1#*=}; shift ;;
-    --*) name=$1; value=${2:?"$1 needs a value"}; shift 2 ;;
-    *) echo "$0: unexpected argument $1" >&2; exit 1 ;;
-  esac
-  name=${name#--}; name=${name//-/_}
-  case "$name" in
-    stage|stop_stage|nproc|epochs|python) printf -v "$name" '%s' "$value" ;;
-    *) echo "$0: unknown option --${name//_/-}" >&2; exit 1 ;;
-  esac
-done
+options="stage stop_stage nproc epochs python"
+. "$(dirname "${BASH_SOURCE[0]}")/../parse_options.sh"
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)

@@ -62,10 +62,9 @@ def test_world_sizes_one_and_two_reach_the_same_parameters(tmp_path):
     one = values(run_world(train_worker, 1, argv(tmp_path / "ws1", *extra), timeout=120))[0]
     two = values(run_world(train_worker, 2, argv(tmp_path / "ws2", *extra), timeout=120))
     assert one["summary"]["steps"] == two[0]["summary"]["steps"] == 4
-    # Summation order differs (one rank vs an all-reduce of two), so gradients agree to
-    # float rounding; Adam-type updates of the attention key bias (whose true gradient
-    # is zero: softmax ignores it) amplify that rounding to ~1e-5.
-    assert_same_params(two[0]["params"], one["params"], rtol=1e-4, atol=1e-4)
+    # Summation order differs (one rank vs an all-reduce of two): float rounding only
+    # (measured max difference 1.3e-6 after 4 steps).
+    assert_same_params(two[0]["params"], one["params"], rtol=1e-4, atol=1e-5)
 
 
 def test_stage_switch_keeps_weights_and_drops_optimizer_state(tmp_path, caplog):

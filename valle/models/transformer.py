@@ -56,11 +56,17 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"width {dim} is not divisible by {nhead} heads")
         self.nhead, self.head_dim, self.cross = nhead, dim // nhead, cross
         self.dropout = dropout
+        # No key bias: softmax is invariant to it (q.(k+b) shifts every key's score of a
+        # query by the same q.b), so its true gradient is zero and an Adam-type optimizer
+        # would only amplify rounding noise into it. Query and value keep theirs.
         if cross:
             self.q_proj = nn.Linear(dim, dim)
-            self.kv_proj = nn.Linear(dim, 2 * dim)
+            self.kv_proj = nn.Linear(dim, 2 * dim, bias=False)
         else:
-            self.qkv_proj = nn.Linear(dim, 3 * dim)
+            self.qkv_proj = nn.Linear(dim, 3 * dim, bias=False)
+            self.q_bias = nn.Parameter(torch.zeros(dim))
+        self.v_bias = nn.Parameter(torch.zeros(dim))
+        self.register_buffer("k_bias", torch.zeros(dim), persistent=False)
         self.out_proj = nn.Linear(dim, dim)
 
     def _heads(self, x: torch.Tensor, parts: int) -> torch.Tensor:
@@ -81,11 +87,13 @@ class MultiHeadAttention(nn.Module):
             if cache is not None and cache.memory_kv is not None:
                 k, v = cache.memory_kv  # the text memory does not change while decoding
             else:
-                k, v = self._heads(self.kv_proj(memory), 2).unbind(0)
+                kv = F.linear(memory, self.kv_proj.weight, torch.cat([self.k_bias, self.v_bias]))
+                k, v = self._heads(kv, 2).unbind(0)
                 if cache is not None:
                     cache.memory_kv = (k, v)
         else:
-            q, k, v = self._heads(self.qkv_proj(x), 3).unbind(0)
+            bias = torch.cat([self.q_bias, self.k_bias, self.v_bias])
+            q, k, v = self._heads(F.linear(x, self.qkv_proj.weight, bias), 3).unbind(0)
             if cache is not None:
                 k, v = cache.self_attn.append(k, v)
         out = F.scaled_dot_product_attention(

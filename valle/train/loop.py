@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path

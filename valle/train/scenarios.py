@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 # A model small enough for 4 gloo ranks on 2 cores.
 TINY_MODEL = ["--decoder-dim", "32", "--nhead", "2", "--num-decoder-layers", "1", "--dropout", "0",
               "--device", "cpu", "--tensorboard", "false", "--oom-check", "false"]

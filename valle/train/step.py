@@ -31,7 +31,6 @@ import struct
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
