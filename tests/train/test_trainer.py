@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 
+from valle.train.checkpoint import load_checkpoint
 from valle.train.cli import parse_config
 from valle.train.harness import run_world, values
 from valle.train.loop import train
@@ -40,8 +41,13 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path):
     resumed = run_local(tmp_path / "resumed", "--save-every-n", "4", epochs=2)
     assert resumed.steps == straight.steps == 12
     assert_same_params(resumed.model_state, straight.model_state)
-    # the averaged model and optimizer came back too, not only the weights
-    assert resumed.fingerprints["averaged"] == straight.fingerprints["averaged"]
+    # the averaged model and optimizer state came back too, not only the weights
+    ends = [load_checkpoint(tmp_path / d / "epoch-2.pt") for d in ("straight", "resumed")]
+    assert_same_params(ends[1]["model_avg"], ends[0]["model_avg"])
+    for a, b in zip(ends[1]["optimizer"]["state"].values(), ends[0]["optimizer"]["state"].values()):
+        for key in a:
+            if isinstance(a[key], torch.Tensor) and a[key].is_floating_point():
+                torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-6, equal_nan=True)
 
 
 def test_truncated_newest_checkpoint_is_skipped_with_a_warning(tmp_path, caplog):
@@ -158,3 +164,18 @@ def test_a_batch_left_empty_by_quarantine_does_not_end_the_epoch(tmp_path):
     assert first["cuts_trained"] == second["cuts_trained"] == 5
     assert first["cuts_quarantined"] == second["cuts_quarantined"] == 1
     assert first["oom_events"] == 1 and second["oom_events"] == 0
+
+
+def test_unrepairable_state_exits_with_its_own_code(tmp_path):
+    """One rank, OOM in the optimizer step: no healthy rank to copy from -> exit 10, clear message."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "bin/trainer.py"),
+                           *argv(tmp_path / "exp", "--inject-fault", "optimizer@1", "--max-steps", "3")],
+                          capture_output=True, text=True, timeout=120,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 10, proc.stderr[-2000:]
+    assert "Restart from the last checkpoint" in proc.stderr

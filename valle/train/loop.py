@@ -422,25 +422,36 @@ def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1, default=str))
 
 
+# Exit codes of failures the trainer cannot repair in place (docs/training.md).
+# Kept clear of argparse's 2 and Python's 1 so torchrun's report says what happened.
+EXIT_CODES = {
+    "NoHealthyRankError": 10,
+    "DdpBackwardOomError": 11,
+    "ConsistencyError": 12,
+    "BatchTooLargeError": 13,
+    "PeerFailure": 14,
+}
+_PEER_FAILURE_MARKERS = ("Timed out", "timed out", "Connection reset", "Connection closed",
+                         "pair closure", "NCCL communicator was aborted")
+
+
 def main_from_config(cfg: TrainConfig) -> int:
     """Run and map unrecoverable failures to exit codes with one clear message."""
     from valle.train.step import ConsistencyError, DdpBackwardOomError, NoHealthyRankError
 
     try:
         train(cfg)
-    except NoHealthyRankError as e:
+    except (NoHealthyRankError, DdpBackwardOomError, ConsistencyError, BatchTooLargeError) as e:
         logger.error("%s", e)
-        return 2
-    except DdpBackwardOomError as e:
-        logger.error("%s", e)
-        return 3
-    except ConsistencyError as e:
-        logger.error("%s", e)
-        return 4
-    except BatchTooLargeError as e:
-        logger.error("%s", e)
-        return 5
+        return EXIT_CODES[type(e).__name__]
+    except (dist.DistError, RuntimeError) as e:
+        if not any(m in str(e) for m in _PEER_FAILURE_MARKERS):
+            raise
+        logger.error("a peer rank failed or hung (collective timeout %.0f s): %s. Under torchrun "
+                     "--max-restarts every worker restarts from the newest checkpoint.",
+                     cfg.collective_timeout, str(e).splitlines()[0])
+        return EXIT_CODES["PeerFailure"]
     return 0
 
 
-__all__ = ["train", "TrainSummary", "main_from_config", "Run", "EpochAccount"]
+__all__ = ["train", "TrainSummary", "main_from_config", "Run", "EpochAccount", "EXIT_CODES"]
