@@ -44,7 +44,8 @@ def test_tiny_corpus_manifests(tiny_data):
 
 def test_recipes_parse():
     for recipe in ("tiny", "libritts", "ljspeech"):
-        subprocess.run(["bash", "-n", str(ROOT / "egs" / recipe / "prepare.sh")], check=True)
+        for script in ("prepare.sh", "run.sh"):
+            subprocess.run(["bash", "-n", str(ROOT / "egs" / recipe / script)], check=True)
     bad = subprocess.run(["bash", str(ROOT / "egs/tiny/prepare.sh"), "--no-such-flag", "1"],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "--no-such-flag" in bad.stderr

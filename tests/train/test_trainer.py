@@ -179,3 +179,28 @@ def test_unrepairable_state_exits_with_its_own_code(tmp_path):
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 10, proc.stderr[-2000:]
     assert "Restart from the last checkpoint" in proc.stderr
+
+
+def test_accumulate_grad_steps_equals_one_larger_batch(tmp_path):
+    # two batches of 4 accumulated into one step == one batch of 8 (same global order)
+    big = run_local(tmp_path / "big", "--max-steps", "3", "--synthetic-partition", "rows", batch=8)
+    acc = run_local(tmp_path / "acc", "--max-steps", "3", "--accumulate-grad-steps", "2", batch=4)
+    assert acc.steps == big.steps == 3
+    assert_same_params(acc.model_state, big.model_state, rtol=1e-4, atol=1e-5)
+    full = run_local(tmp_path / "full", cuts=16, batch=8)
+    assert full.epochs[0]["train_loss"] < 100 and (tmp_path / "full" / "best-train-loss.pt").exists()
+
+
+def test_pessimistic_scan_names_the_flag_to_lower(tmp_path, caplog):
+    """A scan batch that cannot fit: stop before training, naming the flag (cut fault = OOM)."""
+    from valle.train.loop import main_from_config
+
+    cfg = parse_config(argv(tmp_path / "exp", "--oom-check", "true", "--inject-fault",
+                            "forward@cut=syn-00003", "--max-steps", "2", cuts=16, batch=8))
+    with caplog.at_level(logging.INFO):
+        code = main_from_config(cfg)
+    assert code == 13
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "pessimistic batches" in text and "peak" in text and "OOM" in text
+    assert "--max-duration" in text or "--max-text-tokens" in text
+    assert not (tmp_path / "exp" / "checkpoint-2.pt").exists()  # no training happened

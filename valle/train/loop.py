@@ -57,6 +57,8 @@ class EpochAccount:
     ooms: int = 0
     retries: int = 0
     steps: int = 0
+    loss_sum: float = 0.0  # global, over predicted frames of applied steps
+    loss_frames: float = 0.0
 
     def add(self, r: StepResult) -> None:
         self.drawn += len(r.cuts_drawn)
@@ -65,6 +67,13 @@ class EpochAccount:
         self.skipped += r.cuts_skipped
         self.ooms += r.ooms
         self.retries += r.attempts - 1
+        if r.applied:
+            self.loss_sum += r.loss
+            self.loss_frames += r.metrics.get("ar_frames", 0.0) + r.metrics.get("nar_frames", 0.0)
+
+    @property
+    def train_loss(self) -> float:
+        return self.loss_sum / self.loss_frames if self.loss_frames else math.inf
 
     def balanced(self) -> bool:
         return self.drawn == self.trained + len(self.quarantined) + len(self.skipped)
@@ -158,6 +167,10 @@ def train_epochs(run: Run) -> TrainSummary:
         run.scheduler.step_epoch(epoch)
         run.steps_per_epoch = run.steps_per_epoch or account.steps
         summary.epochs.append(close_epoch(run, epoch, account))
+        if account.train_loss < run.best_train:  # the same value on every rank (from the votes)
+            run.best_train = account.train_loss
+            if run.ctx.is_main:
+                save_best(run.cfg.exp_dir, "train", _best_payload(run))
         if cfg.max_steps and run.step >= cfg.max_steps:
             break
         save(run, f"epoch-{epoch}.pt", next_epoch=True)
@@ -378,8 +391,6 @@ def log_progress(run: Run, totals: MetricsTracker, meter: ThroughputMeter, accou
     )
     run.tb.scalars(run.step, {**values, "lr": lr, "grad_scale": scale, "it_per_s": meter.rate,
                               "max_memory_mib": memory}, prefix="train/")
-    if values.get("loss", math.inf) < run.best_train and run.ctx.is_main:
-        run.best_train = values["loss"]
     if scale is not None and scale < GRAD_SCALE_COLLAPSED and not run.scale_warned:
         # fp16 loss scale collapsing means overflow at every step: keep what we have
         # and tell the user, rather than dying with NaNs later.
@@ -407,7 +418,8 @@ def close_epoch(run: Run, epoch: int, account: EpochAccount) -> dict[str, Any]:
     retries = account.retries  # every rank retries together: the local count is the global one
     record = {"epoch": epoch, "steps": account.steps, "cuts_drawn": drawn, "cuts_trained": trained,
               "cuts_quarantined": quarantined, "cuts_skipped": skipped, "oom_events": ooms,
-              "retries": retries, "quarantined_ids": account.quarantined,
+              "retries": retries, "train_loss": account.train_loss,
+              "quarantined_ids": account.quarantined,
               "skipped_ids": account.skipped, "balanced": drawn == trained + quarantined + skipped}
     logger.info("epoch %d summary: %d steps; cuts drawn %d = trained %d + quarantined %d + skipped %d "
                 "%s; %d OOM events, %d retries", epoch, account.steps, drawn, trained, quarantined,
