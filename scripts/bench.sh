@@ -8,7 +8,7 @@ tmp=$(mktemp)
 {
   echo "# Benchmarks"
   echo
-  echo "Written by \`make bench\` (scripts/bench.sh) on $(date -u '+%Y-%m-%d') — $(nproc) CPU cores,"
+  echo "Written by \`make bench\` (scripts/bench.sh) on $(date -u '+%Y-%m-%d') — $(getconf _NPROCESSORS_ONLN) CPU cores,"
   echo "torch $(python -c 'import torch; print(torch.__version__)'), no GPU unless stated."
   echo "Each table is measured side by side in one run; ratios matter more than absolute times."
   echo
@@ -18,7 +18,7 @@ tmp=$(mktemp)
   echo "python scripts/bench_step.py"
   echo '```'
   echo
-  python scripts/bench_step.py 2>/dev/null | grep -v '^command:'
+  python scripts/bench_step.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo'
   echo
   echo "## Model: training-step FLOP/s and KV-cache decoding"
   echo
@@ -26,7 +26,7 @@ tmp=$(mktemp)
   echo "python scripts/bench_models.py"
   echo '```'
   echo
-  python scripts/bench_models.py 2>/dev/null | grep -v '^command:'
+  python scripts/bench_models.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo'
 } > "$tmp"
 # Keep notes written by hand below the generated part.
 if [ -f "$out" ] && grep -q '^<!-- notes -->' "$out"; then

@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--text", type=int, default=40)
     parser.add_argument("--frames", type=int, default=150)
-    parser.add_argument("--blocks", type=int, default=5)
+    parser.add_argument("--blocks", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")

@@ -37,7 +37,7 @@ def trainer(exp: Path, *extra: str, timeout: int = 300) -> subprocess.CompletedP
 
 def check_real_ooms(lines: list[str]) -> None:
     exp = OUT / "real-oom"
-    proc = trainer(exp, "--inject-fault-real", "true", "--inject-fault", "forward@1",
+    proc = trainer(exp, "--dtype", "float16", "--inject-fault-real", "true", "--inject-fault", "forward@1",
                    "--inject-fault", "backward@3", "--max-steps", "5", "--check-consistency-every", "1",
                    "--oom-check", "false")
     events = []
@@ -46,7 +46,7 @@ def check_real_ooms(lines: list[str]) -> None:
         events = [json.loads(x) for x in events_file.read_text().splitlines()]
     summary = exp / "summary-rank0.json"
     steps = json.loads(summary.read_text())["steps"] if summary.exists() else None
-    lines += ["## Real OOMs in forward and backward", "",
+    lines += ["## Real OOMs in forward and backward (fp16, GradScaler)", "",
               f"exit code {proc.returncode}, steps {steps} (expected 5)", "",
               "| phase | injected | message | allocated MiB | reserved MiB |", "|---|---|---|---|---|"]
     for e in events:

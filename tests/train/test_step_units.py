@@ -168,3 +168,18 @@ def test_overlap_launches_buckets_in_order_during_backward_and_sums():
     for g0, g1, l0, l1 in zip(ranks[0]["grads"], ranks[1]["grads"], ranks[0]["local"], ranks[1]["local"]):
         torch.testing.assert_close(g0, g1, rtol=0, atol=0)
         torch.testing.assert_close(g0, l0 + l1)
+
+
+def test_allocator_config_respects_the_user(monkeypatch):
+    from valle.train.memory import configure_allocator
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert configure_allocator() == "max_split_size_mb:128"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert configure_allocator() == "expandable_segments:True"
+    import os
+
+    assert "expandable_segments:True" in (os.environ.get("PYTORCH_ALLOC_CONF", "")
+                                          + os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))

@@ -153,7 +153,7 @@ def train_epochs(run: Run) -> TrainSummary:
             totals.update(step_metrics(result))
             log_trained_cuts(run, result)
             if run.step % cfg.log_interval == 0:
-                log_progress(run, totals, meter, account)
+                log_progress(run, totals, meter)
                 summary.final_loss = totals.normalized().get("loss", float("nan"))
                 totals = MetricsTracker()
             if run.step % cfg.valid_interval == 0:
@@ -370,7 +370,7 @@ def step_metrics(r: StepResult) -> dict[str, float]:
     return values
 
 
-def log_progress(run: Run, totals: MetricsTracker, meter: ThroughputMeter, account: EpochAccount) -> None:
+def log_progress(run: Run, totals: MetricsTracker, meter: ThroughputMeter) -> None:
     values = totals.normalized()
     lr = run.scheduler.get_last_lr()[0]
     scale = run.scaler.get_scale() if run.scaler is not None and run.scaler.is_enabled() else None
