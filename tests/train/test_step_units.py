@@ -173,7 +173,9 @@ def test_overlap_launches_buckets_in_order_during_backward_and_sums():
 def test_allocator_config_respects_the_user(monkeypatch):
     from valle.train.memory import configure_allocator
 
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.setenv(name, "")  # recorded, so whatever the test sets is undone
+        monkeypatch.delenv(name)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     assert configure_allocator() == "max_split_size_mb:128"
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
