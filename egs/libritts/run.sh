@@ -1,42 +1,6 @@
 #!/usr/bin/env bash
-# Train VALL-E on libritts (after ./prepare.sh), as in the original recipes.
-#   egs/libritts/run.sh [--recipe two-stage|single-stage] [--nproc 8] [--dtype bfloat16]
-# two-stage (default): the AR (--train-stage 1), then the NAR (--train-stage 2) in the same
-#   --exp-dir: stage 2 starts from the newest AR checkpoint (weights kept; optimizer,
-#   scheduler and sampler state dropped, as the log says), then continues its own.
-# single-stage: AR and NAR together (--train-stage 0).
-# Every run resumes from the newest valid checkpoint in --exp-dir (torchrun --max-restarts too).
+# Train VALL-E on LibriTTS after ./prepare.sh: two-stage (AR, then NAR) by default,
+# --recipe single-stage for both at once; every flag of egs/train.sh passes through.
 set -euo pipefail
-
-recipe=two-stage
-nproc=8
-dtype=bfloat16
-num_epochs=20
-max_duration=80
-exp_dir=exp/valle
-python=${PYTHON:-python}
-options="recipe nproc dtype num_epochs max_duration exp_dir python"
-. "$(dirname "${BASH_SOURCE[0]}")/../parse_options.sh"
-
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-root=$(cd "$here/../.." && pwd)
-cd "$here"
-
-model=(--model-name valle --decoder-dim 1024 --nhead 16 --num-decoder-layers 12
-       --prefix-mode 1 --share-embedding true --norm-first true --add-prenet false)
-train=(--manifest-dir data/tokenized --dataset libritts --max-duration "$max_duration"
-       --filter-min-duration 0.5 --filter-max-duration 14 --num-buckets 6 --dtype "$dtype"
-       --optimizer-name ScaledAdam --scheduler-name Eden --base-lr 0.05 --warmup-steps 200
-       --average-period 0 --save-every-n 10000 --keep-last-k 20 --valid-interval 10000
-       --num-epochs "$num_epochs" --exp-dir "$exp_dir")
-launch=("$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc" --max-restarts 3
-        "$root/bin/trainer.py")
-
-case "$recipe" in
-  two-stage)
-    "${launch[@]}" "${model[@]}" "${train[@]}" --train-stage 1
-    "${launch[@]}" "${model[@]}" "${train[@]}" --train-stage 2 ;;
-  single-stage)
-    "${launch[@]}" "${model[@]}" "${train[@]}" --train-stage 0 ;;
-  *) echo "$0: --recipe must be two-stage or single-stage" >&2; exit 1 ;;
-esac
+cd "$(dirname "${BASH_SOURCE[0]}")"
+exec bash ../train.sh --dataset libritts "$@"

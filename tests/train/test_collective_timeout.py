@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import re
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from valle.train.harness import clean_launch_env
 from valle.train.scenarios import TINY_MODEL
 
 pytestmark = [pytest.mark.multiproc]
@@ -34,18 +34,11 @@ REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 5.0
 
 
-def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not (k.startswith(("TORCHELASTIC_", "MASTER_", "GROUP_", "ROLE_"))
-                   or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
-
 
 def torchrun(*argv: str, timeout: float) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "--max-restarts", "0", "--monitor-interval", "0.2", *argv]
-    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True,
+    return subprocess.run(cmd, cwd=REPO, env=clean_launch_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -18,7 +18,6 @@ of freezing CI:
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from valle.train.harness import clean_launch_env
 from valle.train.scenarios import TINY_MODEL
 
 pytestmark = [pytest.mark.multiproc]
@@ -42,14 +42,6 @@ NUM_EPOCHS, STEPS_PER_EPOCH = 2, 6
 KILL_STEP, SAVE_EVERY = 5, 2
 
 
-def clean_env() -> dict[str, str]:
-    """The parent's environment without any torchrun variables it may itself run under."""
-    env = {k: v for k, v in os.environ.items()
-           if not (k.startswith(("TORCHELASTIC_", "MASTER_", "GROUP_", "ROLE_"))
-                   or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return env
-
 
 def trainer_argv(exp_dir: Path, *extra: str) -> list[str]:
     return [TRAINER, *TINY_MODEL, "--exp-dir", str(exp_dir), "--synthetic-data", "48",
@@ -62,13 +54,13 @@ def torchrun(exp_dir: Path, *extra: str, max_restarts: int = 0,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
            *trainer_argv(exp_dir, *extra)]
-    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True,
+    return subprocess.run(cmd, cwd=REPO, env=clean_launch_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 
 def single(exp_dir: Path, *extra: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *trainer_argv(exp_dir, *extra)], cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=timeout)
+                          env=clean_launch_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def output(proc: subprocess.CompletedProcess) -> str:

@@ -11,7 +11,7 @@ from valle.data.collation import num_text_tokens
 from valle.data.datamodule import ResumableLoader, TtsDataModule
 from valle.train.batching import Batch
 from valle.train.config import TrainConfig
-from valle.train.data import gather_rank_states, pick_rank_state
+from valle.train.data import pick_rank_state, sampler_payload
 from valle.train.dist import DistContext
 
 logger = logging.getLogger(__name__)
@@ -71,10 +71,7 @@ class LhotseTrainData:
         return {f"{name} ({value:.1f})": scan.dataset[cuts] for name, (value, cuts) in best.items()}
 
     def state_dict(self, ctx: DistContext, next_epoch: bool = False) -> dict[str, Any]:
-        local = self.train.state_dict()
-        if next_epoch:
-            local = {**local, "epoch": local["epoch"] + 1, "batches_consumed": 0}
-        return {"per_rank": gather_rank_states(local, ctx), "batch_in_epoch": local["batches_consumed"]}
+        return sampler_payload(self.train.state_dict(), ctx, next_epoch, "batches_consumed")
 
     def load_state_dict(self, state: dict[str, Any], ctx: DistContext) -> None:
         self.train.load_state_dict(pick_rank_state(state, ctx))

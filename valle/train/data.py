@@ -36,6 +36,15 @@ def gather_rank_states(local: dict[str, Any], ctx: DistContext) -> list[dict[str
     return out
 
 
+def sampler_payload(local: dict[str, Any], ctx: DistContext, next_epoch: bool,
+                    counter: str) -> dict[str, Any]:
+    """The checkpoint's sampler entry: every rank's position (`counter` = batches consumed).
+    `next_epoch`: the position at the start of the next epoch (for epoch-N.pt)."""
+    if next_epoch:
+        local = {**local, "epoch": local["epoch"] + 1, counter: 0}
+    return {"per_rank": gather_rank_states(local, ctx), "batch_in_epoch": local[counter]}
+
+
 def pick_rank_state(state: dict[str, Any], ctx: DistContext) -> dict[str, Any]:
     per_rank = state["per_rank"]
     if len(per_rank) != ctx.world_size and state.get("batch_in_epoch", 0) == 0:
@@ -81,10 +90,7 @@ class SyntheticData:
         return {"longest audio": collate(by_audio), "longest text": collate(by_text)}
 
     def state_dict(self, ctx: DistContext, next_epoch: bool = False) -> dict[str, Any]:
-        local = self.sampler.state_dict()
-        if next_epoch:
-            local = {**local, "epoch": local["epoch"] + 1, "consumed": 0}
-        return {"per_rank": gather_rank_states(local, ctx), "batch_in_epoch": local["consumed"]}
+        return sampler_payload(self.sampler.state_dict(), ctx, next_epoch, "consumed")
 
     def load_state_dict(self, state: dict[str, Any], ctx: DistContext) -> None:
         self.sampler.load_state_dict(pick_rank_state(state, ctx))

@@ -92,6 +92,16 @@ def run_world(fn: Callable, world_size: int, *args, timeout: float = 120.0,
         return results
 
 
+def clean_launch_env() -> dict[str, str]:
+    """This process's environment without the torchrun/rendezvous variables it may itself
+    run under, for launching a fresh torchrun job from a test or a script."""
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith(("TORCHELASTIC_", "MASTER_", "GROUP_", "ROLE_"))
+                   or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
 def values(results: list[tuple]) -> list[Any]:
     """The ranks' return values; raises WorkerFailed with every rank's error."""
     errors = [f"rank {i}: {r[1]}\n{r[2]}" for i, r in enumerate(results) if r[0] != "ok"]

@@ -64,6 +64,7 @@ from valle.train.memory import (
     is_oom_error,
     memory_figures,
 )
+from valle.train.optim import clip_grad_norm_
 from valle.train.quarantine import Quarantine
 
 logger = logging.getLogger(__name__)
@@ -466,7 +467,7 @@ class ResilientStep:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             if self.cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.sync.params, self.cfg.grad_clip, foreach=True)
+                clip_grad_norm_(self.sync.params, self.cfg.grad_clip)  # on device, no sync
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()

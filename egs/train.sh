@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Train VALL-E on a tokenized corpus (egs/<corpus>/run.sh calls this), as in the original recipes.
+#   egs/train.sh --dataset libritts [--recipe two-stage|single-stage] [--nproc 8] [--dtype bfloat16]
+# two-stage (default): the AR (--train-stage 1), then the NAR (--train-stage 2) in the same
+#   --exp-dir: stage 2 starts from the newest AR checkpoint (weights kept; optimizer,
+#   scheduler and sampler state dropped, as the log says), then continues its own.
+# single-stage: AR and NAR together (--train-stage 0).
+# Every run resumes from the newest valid checkpoint in --exp-dir (torchrun --max-restarts too).
+set -euo pipefail
+
+dataset=""
+recipe=two-stage
+nproc=8
+dtype=bfloat16
+num_epochs=20
+max_duration=80
+exp_dir=exp/valle
+python=${PYTHON:-python}
+options="dataset recipe nproc dtype num_epochs max_duration exp_dir python"
+. "$(dirname "${BASH_SOURCE[0]}")/parse_options.sh"
+
+[ -n "$dataset" ] || { echo "$0: --dataset is required" >&2; exit 1; }
+# Runs in the recipe directory (egs/<dataset>): data/ and exp/ live there.
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+model=(--model-name valle --decoder-dim 1024 --nhead 16 --num-decoder-layers 12
+       --prefix-mode 1 --share-embedding true --norm-first true --add-prenet false)
+train=(--manifest-dir data/tokenized --dataset "$dataset" --max-duration "$max_duration"
+       --filter-min-duration 0.5 --filter-max-duration 14 --num-buckets 6 --dtype "$dtype"
+       --optimizer-name ScaledAdam --scheduler-name Eden --base-lr 0.05 --warmup-steps 200
+       --average-period 0 --save-every-n 10000 --keep-last-k 20 --valid-interval 10000
+       --num-epochs "$num_epochs" --exp-dir "$exp_dir")
+launch=("$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc" --max-restarts 3
+        "$root/bin/trainer.py")
+
+case "$recipe" in
+  two-stage)
+    "${launch[@]}" "${model[@]}" "${train[@]}" --train-stage 1
+    "${launch[@]}" "${model[@]}" "${train[@]}" --train-stage 2 ;;
+  single-stage)
+    "${launch[@]}" "${model[@]}" "${train[@]}" --train-stage 0 ;;
+  *) echo "$0: --recipe must be two-stage or single-stage" >&2; exit 1 ;;
+esac
