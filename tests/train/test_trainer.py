@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -204,3 +205,12 @@ def test_pessimistic_scan_names_the_flag_to_lower(tmp_path, caplog):
     assert "pessimistic batches" in text and "peak" in text and "OOM" in text
     assert "--max-duration" in text or "--max-text-tokens" in text
     assert not (tmp_path / "exp" / "checkpoint-2.pt").exists()  # no training happened
+
+
+def test_adamw_with_clipping_and_cosine_schedule_trains(tmp_path):
+    summary = run_local(tmp_path / "exp", "--optimizer-name", "AdamW", "--scheduler-name", "Cosine",
+                        "--grad-clip", "0.5", "--base-lr", "0.002", "--warmup-steps", "2",
+                        "--max-steps", "6", cuts=48)
+    first, last = summary.epochs[0]["train_loss"], summary.final_loss
+    assert summary.steps == 6 and math.isfinite(last) and last < first + 1.0
+    assert all(torch.isfinite(t).all() for t in summary.model_state.values())
