@@ -214,3 +214,23 @@ def test_adamw_with_clipping_and_cosine_schedule_trains(tmp_path):
     first, last = summary.epochs[0]["train_loss"], summary.final_loss
     assert summary.steps == 6 and math.isfinite(last) and last < first + 1.0
     assert all(torch.isfinite(t).all() for t in summary.model_state.values())
+
+
+@pytest.mark.parametrize("sync", ["overlap", "after-backward"])
+def test_non_finite_gradient_with_a_finite_loss_skips_the_step_everywhere(tmp_path, sync):
+    # AdamW would write the NaNs into the weights; the vote must stop it on every rank
+    args = argv(tmp_path / "exp", "--inject-fault", "nonfinite_grad@1:0", "--grad-sync", sync,
+                "--optimizer-name", "AdamW", "--scheduler-name", "Noam", "--base-lr", "0.001",
+                "--check-consistency-every", "1", "--max-steps", "3")
+    results = values(run_world(train_worker, 2, args, timeout=120))
+    for r in results:
+        epoch = r["summary"]["epochs"][0]
+        assert epoch["steps"] == 3 and len(epoch["skipped_ids"]) == 4 and epoch["balanced"]
+        assert all(torch.isfinite(t).all() for t in r["params"].values())
+
+
+def test_non_finite_gradient_on_one_rank_alone_is_skipped(tmp_path):
+    summary = run_local(tmp_path / "exp", "--inject-fault", "nonfinite_grad@1", "--optimizer-name",
+                        "AdamW", "--scheduler-name", "Noam", "--base-lr", "0.001", "--max-steps", "3")
+    assert len(summary.epochs[0]["skipped_ids"]) == 8
+    assert all(torch.isfinite(t).all() for t in summary.model_state.values())

@@ -28,9 +28,9 @@ logger = logging.getLogger(__name__)
 OOM_PHASES = ("to_device", "forward", "backward", "grad_sync", "optimizer", "average")
 # Phases in which a cut-targeted fault makes sense: the cut's data is in play.
 CUT_PHASES = ("to_device", "forward", "backward")
-# stall: sleep inside the step (watchdog tests); nonfinite: make this rank's loss NaN
-# (vote tests); kill: SIGKILL this process, first launch only (elastic-restart tests).
-ALL_PHASES = (*OOM_PHASES, "stall", "nonfinite", "kill")
+# stall: sleep inside the step (watchdog tests); nonfinite: make this rank's loss NaN,
+# nonfinite_grad: keep the loss finite but make its gradient NaN (vote tests); kill: SIGKILL this process, first launch only (elastic-restart tests).
+ALL_PHASES = (*OOM_PHASES, "stall", "nonfinite", "nonfinite_grad", "kill")
 
 
 class InjectedOutOfMemoryError(torch.OutOfMemoryError):
@@ -143,6 +143,12 @@ class FaultInjector:
             return loss * float("nan")
         return loss
 
+    def poison_grad(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.specs and self._should_fire("nonfinite_grad", None):
+            self.fired.append(("nonfinite_grad", self.step, self.attempt))
+            return _NanGradient.apply(loss)
+        return loss
+
     def maybe_kill(self) -> None:
         # Only in the first launch: after torchrun restarts the workers the run
         # must be able to pass this step.
@@ -170,6 +176,18 @@ class FaultInjector:
             yield
         finally:
             del hog
+
+
+class _NanGradient(torch.autograd.Function):
+    """Identity forward, NaN gradient backward: a finite loss whose gradient is not."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan")
 
 
 def fill_cuda_memory(device, leave_bytes: int) -> list[torch.Tensor]:

@@ -67,6 +67,10 @@ class BucketedGradSync:
         self.group = group
         self.on_launch = on_launch  # fault-injection point ("grad_sync")
         self.armed = False
+        # Check this rank's gradient for inf/NaN at launch (off under GradScaler, whose
+        # job overflow is: it must see the infs to lower the scale).
+        self.check_finite = False
+        self._local_norms: list[torch.Tensor] = []
         self.buckets = self._build_buckets(list(params), int(bucket_cap_mb * (1 << 20)))
         self._bucket_of: dict[int, Bucket] = {}
         for bucket in self.buckets:
@@ -127,6 +131,11 @@ class BucketedGradSync:
             bucket.launched = False
         self._next_to_launch = 0
         self.armed = False
+        self._local_norms = []
+
+    def local_grads_finite(self) -> torch.Tensor | None:
+        """On-device flag: this rank's gradient had no inf/NaN (None if not checked)."""
+        return _all_finite(self._local_norms) if self.check_finite else None
 
     @contextmanager
     def backward_context(self, last_micro_batch: bool) -> Iterator[None]:
@@ -155,6 +164,10 @@ class BucketedGradSync:
             self.on_launch(bucket.index)
         bucket.launched = True
         self._next_to_launch = bucket.index + 1
+        if self.check_finite:
+            # This rank's own gradient, read before the all-reduce overwrites it (the
+            # norm is queued on the stream ahead of the collective).
+            self._local_norms.append(torch.linalg.vector_norm(bucket.buffer))
         if self.world_size > 1:
             bucket.handle = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
 
@@ -204,6 +217,8 @@ class LocalGradSync:
         self._params = list(params)
         self.on_launch = on_launch
         self._launched = False
+        self.check_finite = False
+        self._local_norms: list[torch.Tensor] = []
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -213,6 +228,7 @@ class LocalGradSync:
         for p in self._params:
             p.grad = None
         self._launched = False
+        self._local_norms = []
 
     def backward_context(self, last_micro_batch: bool):
         return nullcontext()
@@ -224,6 +240,11 @@ class LocalGradSync:
         if not self._launched and self.on_launch is not None:
             self.on_launch(0)
         self._launched = True
+        grads = [p.grad for p in self._params if p.grad is not None]
+        self._local_norms = list(torch._foreach_norm(grads)) if self.check_finite and grads else []
+
+    def local_grads_finite(self) -> torch.Tensor | None:
+        return _all_finite(self._local_norms) if self.check_finite else None
 
     def wait(self) -> None:
         pass
@@ -285,6 +306,9 @@ class DdpGradSync:
     def launch_remaining(self) -> None:  # DDP reduced inside backward
         pass
 
+    def local_grads_finite(self) -> None:  # voted before backward: only the loss is known
+        return None
+
     def wait(self) -> None:
         pass
 
@@ -297,6 +321,13 @@ class DdpGradSync:
 
     def close(self) -> None:
         pass
+
+
+def _all_finite(norms: list[torch.Tensor]) -> torch.Tensor | None:
+    """A norm is inf/NaN exactly when its tensor holds an inf/NaN."""
+    if not norms:
+        return None
+    return torch.isfinite(torch.stack([n.float().reshape(()) for n in norms])).all()
 
 
 def build_grad_sync(mode: str, model: nn.Module, params: Sequence[nn.Parameter], *, world_size: int,

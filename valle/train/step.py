@@ -199,6 +199,9 @@ class ResilientStep:
         if hasattr(sync, "on_launch") and sync.on_launch is None:
             sync.on_launch = self._on_bucket_launch
         self.is_ddp = getattr(sync, "mode", "") == "ddp"
+        # Non-finite gradients with a finite loss are voted like a non-finite loss,
+        # except under GradScaler, which needs to see fp16 overflow to lower its scale.
+        sync.check_finite = self.scaler is None
 
     # -- public -----------------------------------------------------------
 
@@ -237,7 +240,8 @@ class ResilientStep:
             result.final_split = split
             result.loss, result.frames, result.metrics = vote.loss, vote.frames, vote.metrics
             if vote.nonfinite:
-                logger.warning("step %d: non-finite loss on %d rank(s); step skipped on every rank",
+                logger.warning("step %d: non-finite loss or gradient on %d rank(s); step skipped "
+                               "on every rank",
                                step, vote.nonfinite)
                 result.skipped_nonfinite = True
                 result.cuts_skipped += list(batch["cut_ids"]) if batch else []
@@ -438,7 +442,7 @@ class ResilientStep:
                 prompt_features=on_device.get("prompt_features"),
                 prompt_features_lens=on_device.get("prompt_features_lens"),
             )
-        return self.faults.poison_loss(loss.float()), metrics
+        return self.faults.poison_grad(self.faults.poison_loss(loss.float())), metrics
 
     def _backward(self, loss: torch.Tensor, micro: Batch, last: bool) -> None:
         ids = micro["cut_ids"]
@@ -502,7 +506,11 @@ class ResilientStep:
         vector = torch.tensor(values, dtype=torch.float64, device=self.device)
         if local.failure is None and local.loss is not None:
             # Device-side writes: no host sync before the all_reduce.
-            vector[_NONFINITE] = (~torch.isfinite(local.loss)).double()
+            bad = ~torch.isfinite(local.loss)
+            grads_finite = self.sync.local_grads_finite()
+            if grads_finite is not None:
+                bad = bad | ~grads_finite
+            vector[_NONFINITE] = bad.double()
             sums = [local.loss] + [local.metrics.get(k, torch.zeros((), device=self.device))
                                    for k in METRIC_KEYS]
             vector[_LOSS:_BAD0] = torch.stack([s.double().reshape(()) for s in sums])
