@@ -18,7 +18,7 @@ tmp=$(mktemp)
   echo "python scripts/bench_step.py"
   echo '```'
   echo
-  python scripts/bench_step.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo'
+  python scripts/bench_step.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to'
   echo
   echo "## Model: training-step FLOP/s and KV-cache decoding"
   echo
@@ -26,7 +26,7 @@ tmp=$(mktemp)
   echo "python scripts/bench_models.py"
   echo '```'
   echo
-  python scripts/bench_models.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo'
+  python scripts/bench_models.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to'
 } > "$tmp"
 # Keep notes written by hand below the generated part.
 if [ -f "$out" ] && grep -q '^<!-- notes -->' "$out"; then
