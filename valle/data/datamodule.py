@@ -112,7 +112,6 @@ class TtsDataModule:
         g.add_argument("--shuffle", dest="shuffle", action="store_true", default=True)
         g.add_argument("--no-shuffle", dest="shuffle", action="store_false")
         g.add_argument("--buffer-size", type=int, default=40000)
-        g.add_argument("--shuffle-buffer-size", type=int, default=100000)
         g.add_argument("--drop-last", type=_str2bool, default=False)
         g.add_argument("--num-workers", type=int, default=2)
         g.add_argument("--max-prompt-duration", type=float, default=3.0)
@@ -185,8 +184,7 @@ class TtsDataModule:
         constraint = self.constraint()
         sampler = DynamicBucketingSampler(
             cuts, constraint=constraint, num_buckets=self.args.num_buckets, shuffle=shuffle,
-            drop_last=drop_last, buffer_size=self.args.buffer_size,
-            shuffle_buffer_size=self.args.shuffle_buffer_size, seed=seed,
+            drop_last=drop_last, buffer_size=self.args.buffer_size, seed=seed,
             world_size=world_size, rank=rank,
         )
         dataset = SpeechSynthesisDataset(
