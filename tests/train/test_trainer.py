@@ -234,3 +234,18 @@ def test_non_finite_gradient_on_one_rank_alone_is_skipped(tmp_path):
                         "AdamW", "--scheduler-name", "Noam", "--base-lr", "0.001", "--max-steps", "3")
     assert len(summary.epochs[0]["skipped_ids"]) == 8
     assert all(torch.isfinite(t).all() for t in summary.model_state.values())
+
+
+def test_tensorboard_and_log_file_record_the_run(tmp_path):
+    from valle.train.metrics import _read_tensorboard_scalars
+
+    exp = tmp_path / "exp"
+    run_local(exp, "--tensorboard", "true", "--inject-fault", "forward@1", "--max-steps", "3")
+    board = exp / "tensorboard" / "stage0"
+    losses = _read_tensorboard_scalars(board, "train/loss")
+    assert [s for s, _ in losses] == [1, 2, 3] and all(math.isfinite(v) for _, v in losses)
+    assert [v for _, v in _read_tensorboard_scalars(board, "train/oom_events")] == [0.0, 1.0, 0.0]
+    assert _read_tensorboard_scalars(board, "train/step_time_s")
+    log = next((exp / "log").glob("log-train-*")).read_text()
+    assert "epoch 1 step 3 | loss" in log and "it/s" in log and "ETA" in log
+    assert "OOM in forward on rank 0 at step 1" in log

@@ -390,6 +390,7 @@ def log_progress(run: Run, totals: MetricsTracker, meter: ThroughputMeter) -> No
         int(values.get("skipped_steps", 0)), f" | grad scale {scale:.3g}" if scale else "",
     )
     run.tb.scalars(run.step, {**values, "lr": lr, "grad_scale": scale, "it_per_s": meter.rate,
+                              "step_time_s": 1.0 / meter.rate if meter.rate else None,
                               "max_memory_mib": memory}, prefix="train/")
     if scale is not None and scale < GRAD_SCALE_COLLAPSED and not run.scale_warned:
         # fp16 loss scale collapsing means overflow at every step: keep what we have
