@@ -249,3 +249,17 @@ def test_tensorboard_and_log_file_record_the_run(tmp_path):
     log = next((exp / "log").glob("log-train-*")).read_text()
     assert "epoch 1 step 3 | loss" in log and "it/s" in log and "ETA" in log
     assert "OOM in forward on rank 0 at step 1" in log
+
+
+def test_scan_runs_on_a_fresh_start_and_a_new_stage_but_not_on_a_resume(tmp_path, caplog):
+    exp = tmp_path / "exp"
+
+    def scanned(*extra) -> bool:
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            run_local(exp, "--oom-check", "true", "--save-every-n", "2", *extra)
+        return any("pessimistic batches" in r.getMessage() for r in caplog.records)
+
+    assert scanned("--max-steps", "2")
+    assert not scanned("--max-steps", "4")  # same stage, resumed from checkpoint-2.pt
+    assert scanned("--train-stage", "2", "--max-steps", "2")  # a new stage: a new memory profile

@@ -113,6 +113,7 @@ class Run:
     best_valid: float = math.inf
     scale_warned: bool = False
     steps_per_epoch: int = 0  # learnt from the first full epoch, for the ETA
+    resumed: bool = False
 
 
 def train(cfg: TrainConfig) -> TrainSummary:
@@ -131,8 +132,12 @@ def train(cfg: TrainConfig) -> TrainSummary:
 
 def train_epochs(run: Run) -> TrainSummary:
     cfg, summary = run.cfg, TrainSummary()
-    if cfg.oom_check:
+    if cfg.oom_check and not run.resumed:
         scan_pessimistic_batches(run.stepper, run.data.pessimistic_batches(), run.optimizer, cfg)
+    elif cfg.oom_check:
+        # The run passed the scan when it started; under --max-restarts every relaunch
+        # would otherwise pay a full pass over the manifest again.
+        logger.info("pessimistic scan skipped: resuming a run that already passed it")
     meter = ThroughputMeter()
     totals = MetricsTracker()
     for epoch in range(run.epoch, cfg.num_epochs + 1):
@@ -175,6 +180,8 @@ def train_epochs(run: Run) -> TrainSummary:
             break
         save(run, f"epoch-{epoch}.pt", next_epoch=True)
     run.stepper.flush()
+    logger.info("done: %d steps, last logged loss %.4f; checkpoints, logs and TensorBoard in %s",
+                run.step, summary.final_loss, run.cfg.exp_dir)
     summary.steps = run.step
     summary.fingerprints = run.stepper.fingerprints()
     summary.model_state = run.model.state_dict()
@@ -231,7 +238,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
               StallWatchdog(cfg.stall_factor, cfg.stall_min_seconds,
                             cfg.exp_dir / "log" / f"stall-rank{ctx.rank}.txt", ctx.rank))
     if payload is not None:
-        restore(run, payload)
+        # A new stage has a new memory profile: only a same-stage resume skips the scan.
+        run.resumed = not restore(run, payload)
     logger.info("model: %.2f M parameters, %.2f M trained in stage %d; grad sync %s; %d rank(s) on %s",
                 sum(p.numel() for p in model.parameters()) / 1e6,
                 sum(p.numel() for _, p in named) / 1e6, cfg.train_stage, cfg.grad_sync,
@@ -279,7 +287,8 @@ def find_resume_payload(cfg: TrainConfig) -> dict | None:
     return payload
 
 
-def restore(run: Run, payload: dict) -> None:
+def restore(run: Run, payload: dict) -> list[str]:
+    """Load a checkpoint into the run; returns what a stage switch dropped."""
     payload, dropped = apply_stage_switch(payload, run.cfg.train_stage)
     if dropped:
         logger.warning("checkpoint was trained in another stage: dropped %s; keeping the weights",
@@ -299,6 +308,7 @@ def restore(run: Run, payload: dict) -> None:
         run.data.load_state_dict(payload["sampler"], run.ctx)
     run.quarantine.merge(payload.get("quarantine") or [])
     run.step, run.epoch = payload["step"], payload["epoch"]
+    return dropped
 
 
 def save(run: Run, name: str, next_epoch: bool = False) -> None:
