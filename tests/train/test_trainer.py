@@ -263,3 +263,12 @@ def test_scan_runs_on_a_fresh_start_and_a_new_stage_but_not_on_a_resume(tmp_path
     assert scanned("--max-steps", "2")
     assert not scanned("--max-steps", "4")  # same stage, resumed from checkpoint-2.pt
     assert scanned("--train-stage", "2", "--max-steps", "2")  # a new stage: a new memory profile
+
+
+def test_missing_checkpoint_named_by_a_flag_is_a_usage_error(tmp_path, caplog):
+    from valle.train.loop import main_from_config
+
+    with caplog.at_level(logging.ERROR):
+        code = main_from_config(parse_config(argv(tmp_path / "exp", "--start-batch", "7")))
+    assert code == 2
+    assert any("checkpoint-7.pt" in r.getMessage() for r in caplog.records)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from valle.train.batching import Batch, concat_batches
 from valle.train.checkpoint import (
+    CorruptCheckpointError,
     apply_stage_switch,
     find_latest_checkpoint,
     load_checkpoint,
@@ -467,6 +468,11 @@ def main_from_config(cfg: TrainConfig) -> int:
     except (NoHealthyRankError, DdpBackwardOomError, ConsistencyError, BatchTooLargeError) as e:
         logger.error("%s", e)
         return EXIT_CODES[type(e).__name__]
+    except (FileNotFoundError, CorruptCheckpointError) as e:
+        # A checkpoint or manifest named by a flag (--start-batch, --start-epoch,
+        # --manifest-dir, --text-tokens) that is not there: a usage error.
+        logger.error("%s", e)
+        return 2
     except (dist.DistError, RuntimeError) as e:
         if not any(m in str(e) for m in _PEER_FAILURE_MARKERS):
             raise
