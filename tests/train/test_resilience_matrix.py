@@ -94,9 +94,18 @@ def test_matrix_cell(matrix, phase, world_size, failing):
         torch.testing.assert_close(tensor, clean[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_clean_runs_train(matrix):
+def test_clean_runs_train(matrix, tmp_path):
     """The baseline itself must have moved the parameters (else equivalence is vacuous)."""
+    from valle.models import get_model
+    from valle.train.cli import parse_config
+    from valle.train.loop import _model_params
+
     for world_size in WORLD_SIZES:
-        summary = matrix[world_size][0]["clean"]["summary"]
-        assert summary["steps"] == STEPS
-        assert summary["epochs"][0]["oom_events"] == 0
+        clean = matrix[world_size][0]["clean"]
+        assert clean["summary"]["steps"] == STEPS
+        assert clean["summary"]["epochs"][0]["oom_events"] == 0
+        cfg = parse_config(base_argv(tmp_path, world_size))
+        torch.manual_seed(cfg.seed)  # the trainer's initialisation
+        initial = get_model(_model_params(cfg, None)).state_dict()
+        moved = [k for k, v in clean["params"].items() if not torch.equal(v, initial[k])]
+        assert len(moved) > len(initial) // 2, f"only {len(moved)} of {len(initial)} tensors trained"

@@ -220,6 +220,7 @@ def barrier(ctx: DistContext) -> None:
         dist.barrier(group=ctx.group)
 
 
-def shutdown(ctx: DistContext) -> None:
-    if ctx.distributed and dist.is_initialized():
+def shutdown() -> None:
+    """Leave the process group (torch warns at exit if a run does not)."""
+    if dist.is_initialized():
         dist.destroy_process_group()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,6 @@ class Bucket:
     ready: int = 0
     handle: object | None = None
     launched: bool = False
-    param_ids: set[int] = field(default_factory=set)
 
 
 class BucketedGradSync:
@@ -112,7 +111,7 @@ class BucketedGradSync:
                 # in place, and the all-reduce reads it without a copy.
                 p.grad = buffer[offset:offset + n].view_as(p)
                 offset += n
-            buckets.append(Bucket(index, group_params, buffer, param_ids={id(p) for p in group_params}))
+            buckets.append(Bucket(index, group_params, buffer))
         return buckets
 
     @property

@@ -31,7 +31,7 @@ from valle.train.checkpoint import (
 )
 from valle.train.config import TrainConfig
 from valle.train.data import TrainData, build_train_data
-from valle.train.dist import DistContext, init_distributed
+from valle.train.dist import DistContext, init_distributed, shutdown
 from valle.train.faults import FaultInjector
 from valle.train.gradsync import build_grad_sync
 from valle.train.memory import OomReporter, configure_allocator
@@ -75,9 +75,6 @@ class EpochAccount:
     @property
     def train_loss(self) -> float:
         return self.loss_sum / self.loss_frames if self.loss_frames else math.inf
-
-    def balanced(self) -> bool:
-        return self.drawn == self.trained + len(self.quarantined) + len(self.skipped)
 
 
 @dataclass
@@ -480,6 +477,7 @@ def main_from_config(cfg: TrainConfig) -> int:
                      "--max-restarts every worker restarts from the newest checkpoint.",
                      cfg.collective_timeout, str(e).splitlines()[0])
         return EXIT_CODES["PeerFailure"]
+    shutdown()  # success only: after a peer failure destroying the group can block
     return 0
 
 

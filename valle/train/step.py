@@ -155,7 +155,6 @@ class StepResult:
     ooms: int = 0
     attempts: int = 0
     repairs: int = 0
-    final_split: int = 1
 
 
 def sample_seed(seed: int, step: int, cut_id: str) -> int:
@@ -237,7 +236,6 @@ class ResilientStep:
                     result.cuts_quarantined += quarantined
                 self._share_quarantine(quarantined)
                 continue
-            result.final_split = split
             result.loss, result.frames, result.metrics = vote.loss, vote.frames, vote.metrics
             if vote.nonfinite:
                 logger.warning("step %d: non-finite loss or gradient on %d rank(s); step skipped "
