@@ -42,9 +42,9 @@ def make_batch(batch: int, text: int, frames: int):
 def build(dim: int, layers: int, mode: str, ctx, seed: int = 0):
     """Model + optimizer (+ the resilient step unless mode is "plain") on ctx.device."""
     from valle.models import get_model
-    from valle.train.gradsync import build_grad_sync
     from valle.train.optim import build_optimizer
-    from valle.train.step import ResilientStep, StepConfig
+    from valle.train.resilience.gradsync import build_grad_sync
+    from valle.train.resilience.step import ResilientStep, StepConfig
 
     torch.manual_seed(seed)
     model = get_model(model_args(dim, layers)).to(ctx.device)
@@ -59,7 +59,7 @@ def build(dim: int, layers: int, mode: str, ctx, seed: int = 0):
 
 def plain_step(model, optimizer, batch, step: int) -> None:
     """What a trainer without any protection does."""
-    from valle.train.step import sample_seed
+    from valle.train.resilience.step import sample_seed
 
     optimizer.zero_grad(set_to_none=True)
     device = next(model.parameters()).device

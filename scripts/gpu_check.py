@@ -63,7 +63,7 @@ def check_scan_vs_step(lines: list[str]) -> None:
     from valle.train.cli import parse_config
     from valle.train.dist import init_distributed
     from valle.train.loop import build_run
-    from valle.train.scan import scan_pessimistic_batches
+    from valle.train.resilience.scan import scan_pessimistic_batches
 
     cfg = parse_config(MODEL + ["--exp-dir", str(OUT / "scan"), "--synthetic-data", "64",
                                 "--synthetic-batch-size", "16"])
@@ -84,7 +84,7 @@ def check_scan_vs_step(lines: list[str]) -> None:
 FRAGMENT_SNIPPET = r"""
 import sys, torch
 sys.path.insert(0, {root!r})
-from valle.train.memory import BackwardReserve
+from valle.train.resilience.memory import BackwardReserve
 from valle.models import get_model, MODEL_DEFAULTS
 import argparse
 reserve_mb = int(sys.argv[1])

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from valle.train.faults import FaultSpec, parse_fault
-from valle.train.gradsync import SYNC_MODES
+from valle.train.resilience.faults import FaultSpec, parse_fault
+from valle.train.resilience.gradsync import SYNC_MODES
 
 
 def str2bool(value: str | bool) -> bool:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from valle.train.batching import Batch
 from valle.train.config import TrainConfig
 from valle.train.dist import DistContext
-from valle.train.quarantine import Quarantine
+from valle.train.resilience.quarantine import Quarantine
 from valle.train.synthetic import SyntheticCorpus, SyntheticSampler, SyntheticSpec, collate
 
 
@@ -102,6 +102,6 @@ class SyntheticData:
 def build_train_data(cfg: TrainConfig, ctx: DistContext, quarantine: Quarantine) -> TrainData:
     if cfg.synthetic_data > 0:
         return SyntheticData(cfg, ctx)
-    from valle.data.trainer_data import LhotseTrainData  # lhotse is needed only here
+    from valle.train.lhotse_data import LhotseTrainData  # lhotse is needed only here
 
     return LhotseTrainData(cfg, ctx)

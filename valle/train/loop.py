@@ -2,7 +2,7 @@
 
 It reads top to bottom: set up, resume, scan, then for every step draw a batch
 and hand it to `ResilientStep.run`. Everything that can fail in a step lives
-in valle.train.step; this file holds no OOM handling of its own.
+in valle.train.resilience.step; this file holds no OOM handling of its own.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ from valle.train.checkpoint import (
 from valle.train.config import TrainConfig
 from valle.train.data import TrainData, build_train_data
 from valle.train.dist import DistContext, init_distributed, shutdown
-from valle.train.faults import FaultInjector
-from valle.train.gradsync import build_grad_sync
-from valle.train.memory import OomReporter, configure_allocator
 from valle.train.metrics import MetricsTracker, TensorBoardLogger, ThroughputMeter, setup_logging
 from valle.train.optim import build_optimizer, build_scheduler
-from valle.train.quarantine import Quarantine
-from valle.train.scan import BatchTooLargeError, scan_pessimistic_batches
-from valle.train.step import ResilientStep, StepConfig, StepResult
+from valle.train.resilience.faults import FaultInjector
+from valle.train.resilience.gradsync import build_grad_sync
+from valle.train.resilience.memory import OomReporter, configure_allocator
+from valle.train.resilience.quarantine import Quarantine
+from valle.train.resilience.scan import BatchTooLargeError, scan_pessimistic_batches
+from valle.train.resilience.step import ResilientStep, StepConfig, StepResult
 from valle.train.watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
@@ -458,7 +458,11 @@ _PEER_FAILURE_MARKERS = ("Timed out", "timed out", "Connection reset", "Connecti
 
 def main_from_config(cfg: TrainConfig) -> int:
     """Run and map unrecoverable failures to exit codes with one clear message."""
-    from valle.train.step import ConsistencyError, DdpBackwardOomError, NoHealthyRankError
+    from valle.train.resilience.step import (
+        ConsistencyError,
+        DdpBackwardOomError,
+        NoHealthyRankError,
+    )
 
     try:
         train(cfg)

@@ -17,7 +17,11 @@ def train_worker(rank: int, world_size: int, argv: list[str]) -> dict[str, Any]:
     """Run the trainer in this rank; report its summary, final parameters, or its clean failure."""
     from valle.train.cli import parse_config
     from valle.train.loop import train
-    from valle.train.step import ConsistencyError, DdpBackwardOomError, NoHealthyRankError
+    from valle.train.resilience.step import (
+        ConsistencyError,
+        DdpBackwardOomError,
+        NoHealthyRankError,
+    )
 
     cfg = parse_config(argv)
     try:

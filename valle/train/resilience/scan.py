@@ -21,7 +21,7 @@ import torch
 from valle.train.batching import Batch, batch_size, frame_count, select_rows
 from valle.train.config import TrainConfig
 from valle.train.dist import all_reduce_sum
-from valle.train.memory import MiB, free_memory, is_oom_error
+from valle.train.resilience.memory import MiB, free_memory, is_oom_error
 
 logger = logging.getLogger(__name__)
 

@@ -54,8 +54,9 @@ from valle.train.dist import (
     object_fingerprint,
     tensor_fingerprint,
 )
-from valle.train.faults import CUT_PHASES, FaultInjector, InjectedOutOfMemoryError
-from valle.train.memory import (
+from valle.train.optim import clip_grad_norm_
+from valle.train.resilience.faults import CUT_PHASES, FaultInjector, InjectedOutOfMemoryError
+from valle.train.resilience.memory import (
     BackwardReserve,
     OomEvent,
     OomReporter,
@@ -64,8 +65,7 @@ from valle.train.memory import (
     is_oom_error,
     memory_figures,
 )
-from valle.train.optim import clip_grad_norm_
-from valle.train.quarantine import Quarantine
+from valle.train.resilience.quarantine import Quarantine
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from valle.train.faults import OOM_PHASES
 from valle.train.harness import run_world, values
+from valle.train.resilience.faults import OOM_PHASES
 from valle.train.scenarios import TINY_MODEL, matrix_worker
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]

@@ -8,12 +8,12 @@ import torch
 from torch import nn
 
 from valle.train.batching import concat_batches, drop_cuts, split_batch
-from valle.train.faults import FaultInjector, InjectedOutOfMemoryError, parse_fault
-from valle.train.gradsync import BucketedGradSync
 from valle.train.harness import run_world, values
-from valle.train.memory import is_oom_error
-from valle.train.quarantine import Quarantine
-from valle.train.step import sample_seed
+from valle.train.resilience.faults import FaultInjector, InjectedOutOfMemoryError, parse_fault
+from valle.train.resilience.gradsync import BucketedGradSync
+from valle.train.resilience.memory import is_oom_error
+from valle.train.resilience.quarantine import Quarantine
+from valle.train.resilience.step import sample_seed
 from valle.train.synthetic import SyntheticCorpus, SyntheticSpec, collate
 
 
@@ -171,7 +171,7 @@ def test_overlap_launches_buckets_in_order_during_backward_and_sums():
 
 
 def test_allocator_config_respects_the_user(monkeypatch):
-    from valle.train.memory import configure_allocator
+    from valle.train.resilience.memory import configure_allocator
 
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         monkeypatch.setenv(name, "")  # recorded, so whatever the test sets is undone
