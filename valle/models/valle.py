@@ -14,6 +14,7 @@ handled by key masks and per-row positions, never by per-row Python loops.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -102,6 +103,9 @@ class _VALLEBase(nn.Module):
         nar_heads = max(1, int(nhead * scale_factor))
         nar_layers = max(1, int(num_decoder_layers * scale_factor))
         self.ar_dim, self.nar_dim = d, nar_d
+        # Entered around the NAR forward only: the trainer sets it to hold its NAR
+        # backward reserve there (valle.train.resilience.memory.BackwardReserve).
+        self.nar_forward_context = nullcontext
         vocab = NUM_AUDIO_TOKENS
 
         # --- AR: text + codebook 0 (+ EOS, + BOS when prepended) ---
@@ -239,10 +243,11 @@ class _VALLEBase(nn.Module):
             loss = loss + ar_loss
             metrics.update(ar_loss=ar_loss.detach(), ar_top10_correct=correct, ar_frames=frames)
         if train_stage in (0, 2) and self.num_quantizers > 1:
-            nar_loss, correct, frames = self._nar_loss(
-                text_tokens, text_valid, audio_features, audio_features_lens,
-                sample_seeds, prompt_features, prompt_features_lens,
-            )  # fmt: skip
+            with self.nar_forward_context():
+                nar_loss, correct, frames = self._nar_loss(
+                    text_tokens, text_valid, audio_features, audio_features_lens,
+                    sample_seeds, prompt_features, prompt_features_lens,
+                )  # fmt: skip
             loss = loss + nar_loss
             metrics.update(nar_loss=nar_loss.detach(), nar_top10_correct=correct, nar_frames=frames)
         return loss, metrics
