@@ -27,8 +27,13 @@ def test_tokenizer_language_argument_and_switches():
     assert set(tok._backends) == {"en-us", "fr-fr"}
 
 
-def test_split_phonemized_detaches_punctuation():
-    assert split_phonemized('h|aɪ"_(ð|ə)...') == ["h", "aɪ", '"', "_", "(", "ð", "ə", ")", ".", ".", "."]
+def test_tone_and_length_marks_stay_inside_their_phoneme():
+    # espeak's Mandarin writes retroflexes and tones with "." ('s.', 'ts.h', 'i.5'): never split.
+    assert split_phonemized("w|o2_s.|i.5_ts.h|a1") == ["w", "o2", "_", "s.", "i.5", "_", "ts.h", "a1"]
+    symbols = TextTokenizer().phonemize_one("我是中国人。四十。", "cmn").symbols
+    assert "s." in symbols and "i.5" in symbols
+    # the only "." symbols are the two full stops (the CJK "。" becomes ".")
+    assert symbols.count(".") == 2 and symbols[-1] == "."
 
 
 def test_collater_pads_and_adds_bos_eos():

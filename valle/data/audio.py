@@ -34,8 +34,63 @@ class AudioLoadError(RuntimeError):
     """Audio that cannot be read or holds no samples."""
 
 
+ENCODEC_URL = f"https://dl.fbaipublicfiles.com/encodec/v0/{CHECKPOINT_NAME}"
+CHECKPOINT_FLAG = "--encodec-checkpoint"
+
+
+class EncodecWeightsError(FileNotFoundError):
+    """No EnCodec weights (a one-line message naming the file, the cache path and the flag)."""
+
+
 def hub_checkpoint_path() -> Path:
     return Path(torch.hub.get_dir()) / "checkpoints" / CHECKPOINT_NAME
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``auto``: the first CUDA device when there is one, else the CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _download_checkpoint(dest: Path) -> str | None:
+    """Fetch the official weights into ``dest`` with torch.hub's sha256 prefix check (the
+    name's suffix, as the encodec package does). Returns None on success, else why not."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        torch.hub.download_url_to_file(ENCODEC_URL, str(dest), hash_prefix=CHECKPOINT_NAME.split("-")[-1][:8],
+                                       progress=False)
+    except Exception as e:  # urllib/OSError offline, RuntimeError on a hash mismatch
+        if dest.exists() and dest.stat().st_size == 0:
+            dest.unlink()
+        return f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    return None
+
+
+def resolve_encodec_weights(
+    checkpoint: str | os.PathLike | None = None, allow_random: bool = False, download: bool = True
+) -> Path | None:
+    """Where the EnCodec weights are: ``checkpoint``, else the torch hub cache, else a fresh
+    download (hash-checked) into the cache. ``None`` means random weights (only with
+    ``allow_random``). Cheap: call it before any long work so a missing file fails first."""
+    if checkpoint is not None:
+        path = Path(checkpoint)
+        if not path.is_file():
+            raise EncodecWeightsError(f"{CHECKPOINT_FLAG} {path}: no such file")
+        return path
+    cached = hub_checkpoint_path()
+    if cached.is_file():
+        return cached
+    why = _download_checkpoint(cached) if download else "downloads disabled"
+    if why is None:
+        logger.info("EnCodec weights downloaded to %s (sha256 prefix checked)", cached)
+        return cached
+    if allow_random:
+        return None
+    raise EncodecWeightsError(
+        f"no EnCodec weights: {CHECKPOINT_NAME} is not at {cached} and {ENCODEC_URL} could not be "
+        f"fetched ({why}); copy the file there or pass {CHECKPOINT_FLAG} PATH "
+        f"({RANDOM_WEIGHTS_FLAG} gives random weights for tests: the audio is noise)")
 
 
 def _build_encodec(seed: int):
@@ -96,11 +151,19 @@ def _randomize_codebooks(model, seed: int) -> None:
 
 
 class AudioTokenizer:
-    """EnCodec 24 kHz at 6 kbps. Never downloads: weights come from ``checkpoint`` or the hub cache."""
+    """EnCodec 24 kHz at 6 kbps. Weights: ``checkpoint``, the hub cache, or a hash-checked
+    download (``resolve_encodec_weights``); random weights only with ``allow_random_weights``.
 
+    The codec interface the data pipeline relies on (a second codec provides the same):
+    ``sample_rate``, ``num_quantizers``, ``frame_rate``, ``hop_length``, ``name``,
+    ``encode_batch(list of 1-D waveforms at sample_rate) -> list of (Q, T) codes`` and
+    ``decode((B, Q, T)) -> (B, 1, N)``."""
+
+    name = "encodec"
     sample_rate = SAMPLE_RATE
     num_quantizers = NUM_QUANTIZERS
     frame_rate = FRAME_RATE
+    hop_length = HOP_LENGTH
 
     def __init__(
         self,
@@ -108,22 +171,27 @@ class AudioTokenizer:
         checkpoint: str | os.PathLike | None = None,
         allow_random_weights: bool = False,
         seed: int = 0,
+        download: bool = True,
     ) -> None:
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
+        path = resolve_encodec_weights(checkpoint, allow_random_weights, download)
         model = _build_encodec(seed)
         self.random_weights = False
-        path = self._resolve_checkpoint(checkpoint)
         if path is not None:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            model.load_state_dict(state)
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+                model.load_state_dict(state)
+            except Exception as e:
+                raise EncodecWeightsError(f"{path}: not an EnCodec 24 kHz state dict ({type(e).__name__}: "
+                                          f"{str(e).splitlines()[0][:200]})") from e
             logger.info("EnCodec weights loaded from %s", path)
-        elif allow_random_weights:
+        else:
             _randomize_codebooks(model, seed)
             self.random_weights = True
             logger.warning("%s", "\n" + "!" * 72)
             logger.warning("RANDOM ENCODEC WEIGHTS: audio will be noise.")
             logger.warning(
-                "No EnCodec checkpoint was given (--encodec-checkpoint) and %s is absent;", hub_checkpoint_path()
+                "No EnCodec checkpoint was given (%s) and %s is absent;", CHECKPOINT_FLAG, hub_checkpoint_path()
             )
             logger.warning(
                 "%s was passed, so codes come from a randomly initialised (seed %d) model.",
@@ -131,24 +199,8 @@ class AudioTokenizer:
             )
             logger.warning("Fine for tests and pipeline demos; useless for real training.")
             logger.warning("%s", "!" * 72)
-        else:
-            raise FileNotFoundError(
-                f"No EnCodec weights: pass --encodec-checkpoint PATH (a state dict such as {CHECKPOINT_NAME}) "
-                f"or put the file at {hub_checkpoint_path()}. This program never downloads. "
-                f"For tests/demos only, {RANDOM_WEIGHTS_FLAG} uses random weights (the audio will be noise)."
-            )
         model.set_target_bandwidth(BANDWIDTH_KBPS)
         self.model = model.eval().to(self.device)
-
-    @staticmethod
-    def _resolve_checkpoint(checkpoint: str | os.PathLike | None) -> Path | None:
-        if checkpoint is not None:
-            path = Path(checkpoint)
-            if not path.is_file():
-                raise FileNotFoundError(f"--encodec-checkpoint {path}: no such file")
-            return path
-        cached = hub_checkpoint_path()
-        return cached if cached.is_file() else None
 
     @torch.inference_mode()
     def encode(self, wav: torch.Tensor) -> torch.Tensor:

@@ -60,29 +60,39 @@ class Phonemized:
 
 
 def split_phonemized(phonemized: str) -> list[str]:
-    """Turn phonemizer output ('h|ə|l|oʊ,_w|ɜː|l|d!') into symbols, punctuation split off."""
+    """Turn espeak output for one punctuation-free segment ('h|ə|l|oʊ_w|ɜː|l|d') into symbols.
+
+    Phones are never split inside: espeak writes tone and length marks with characters that
+    look like punctuation (Mandarin 's.', 'ts.h', 'i.5'), and they belong to their phone.
+    Punctuation never reaches espeak (``segment_text`` takes it out first)."""
     symbols: list[str] = []
     words = [w for w in phonemized.strip().split(WORD_SEP) if w.strip()]
     for wi, word in enumerate(words):
         if wi > 0:
             symbols.append(WORD_SEP)
         for piece in word.split(PHONE_SEP):
-            phone = ""
-            for ch in piece:
-                if ch in PUNCTUATION:
-                    if phone:
-                        symbols.append(phone)
-                        phone = ""
-                    symbols.append(ch)
-                elif ch.isspace():
-                    if phone:
-                        symbols.append(phone)
-                        phone = ""
-                else:
-                    phone += ch
-            if phone:
-                symbols.append(phone)
+            symbols.extend(p for p in piece.split() if p)
     return symbols
+
+
+# Full-width and CJK punctuation -> the ASCII mark kept as a symbol.
+_PUNCT_MAP = str.maketrans({"。": ".", "，": ",", "、": ",", "！": "!", "？": "?", "；": ";", "：": ":",
+                            "（": "(", "）": ")", "《": "«", "》": "»", "「": "“", "」": "”"})
+_PUNCT_RUN_RE = re.compile("([" + re.escape(PUNCTUATION) + r"]+)")
+
+
+def segment_text(text: str) -> list[tuple[str, str]]:
+    """Split text into ("text", words) and ("punct", marks + following whitespace) pieces."""
+    pieces: list[tuple[str, str]] = []
+    for i, chunk in enumerate(_PUNCT_RUN_RE.split(text.translate(_PUNCT_MAP))):
+        if i % 2 == 1:
+            pieces.append(("punct", chunk))
+            continue
+        if pieces and chunk[:1].isspace():  # whitespace after a mark: a word boundary follows
+            pieces[-1] = ("punct", pieces[-1][1] + " ")
+        if chunk.strip():
+            pieces.append(("text", chunk.strip()))
+    return pieces
 
 
 def normalize_text(text: str) -> str:
@@ -110,8 +120,7 @@ class TextTokenizer:
             try:
                 self._backends[language] = EspeakBackend(
                     language,
-                    punctuation_marks=PUNCTUATION,
-                    preserve_punctuation=True,
+                    preserve_punctuation=False,  # segment_text handles punctuation
                     with_stress=self.with_stress,
                     language_switch="keep-flags",
                     logger=_quiet_phonemizer_logger(),
@@ -125,21 +134,37 @@ class TextTokenizer:
 
         language = language or self.language
         text = normalize_text(text)
-        if not text:
+        pieces = segment_text(text)
+        segments = [t for kind, t in pieces if kind == "text"]
+        if not segments:
             return Phonemized([])
         sep = Separator(word=WORD_SEP, syllable="", phone=PHONE_SEP)
-        # One text per call: phonemizer drops empty lines and can re-split on punctuation,
-        # which would misalign a batched output with its inputs.
         with self._lock:
             backend = self._backend(language)
             try:
-                out = backend.phonemize([text], separator=sep, strip=True, njobs=1)
+                out = backend.phonemize(segments, separator=sep, strip=True, njobs=1)
+                if len(out) != len(segments):  # phonemizer dropped a line: one call each
+                    out = [" ".join(backend.phonemize([s], separator=sep, strip=True, njobs=1))
+                           for s in segments]
             except Exception as e:  # espeak/phonemizer raise various types
                 raise TextTokenizationError(f"phonemizer failed on {text!r}: {e}") from e
-        joined = " ".join(out)
-        switches = _FLAG_RE.findall(joined)
-        joined = _FLAG_RE.sub("", joined)
-        return Phonemized(split_phonemized(joined), switches)
+        switches: list[str] = []
+        symbols: list[str] = []
+        outputs = iter(out)
+        for kind, piece in pieces:
+            if kind == "text":
+                phonemized = next(outputs)
+                switches += _FLAG_RE.findall(phonemized)
+                if symbols and symbols[-1] != WORD_SEP and symbols[-1] not in PUNCTUATION:
+                    symbols.append(WORD_SEP)
+                symbols += split_phonemized(_FLAG_RE.sub("", phonemized))
+            else:
+                symbols += [ch for ch in piece if not ch.isspace()]
+                if piece.endswith(" ") and symbols:
+                    symbols.append(WORD_SEP)
+        while symbols and symbols[-1] == WORD_SEP:
+            symbols.pop()
+        return Phonemized(symbols, switches)
 
     def __call__(self, texts: Sequence[str], language: str | None = None) -> list[list[str]]:
         if isinstance(texts, str):

@@ -29,6 +29,10 @@ ZERO_LENGTH_AUDIO = "zero_length_audio"
 TOO_SHORT = "too_short"
 TOO_LONG = "too_long"
 NO_SUPERVISION = "no_supervision"
+NO_RECORDING = "no_recording"
+DUPLICATE_ID = "duplicate_id"
+BAD_MANIFEST_ITEM = "bad_manifest_item"
+BAD_SEGMENT = "segment_outside_recording"
 
 # Voices whose languages are written in Latin script: text in another script is read
 # letter by letter ("chinese letter", Cyrillic letter names), which no audio matches.

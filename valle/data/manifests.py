@@ -1,0 +1,109 @@
+"""Reading lhotse manifests defensively: one cut per supervision, every bad item reported.
+
+* A truncated or corrupt manifest stops with one line naming the file (``ManifestError``).
+* Duplicate recording/supervision ids: the first is kept, each repeat is reported.
+* A supervision whose recording is missing, a recording without supervisions, a segment
+  outside its recording: reported, never silently dropped.
+* A recording with several supervisions gives one cut per supervision (its time span).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from valle.data import validation as V
+
+logger = logging.getLogger(__name__)
+
+# Tolerance for segments that end a little past their recording (rounding in manifests).
+END_TOLERANCE_S = 0.025
+
+
+class ManifestError(ValueError):
+    """A manifest file that cannot be read (one line, naming the file)."""
+
+
+def _open_text(path: Path):
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
+    """Items of a ``.jsonl``/``.jsonl.gz`` manifest; any read error names the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ManifestError(f"{path}: no such manifest")
+    lineno = 0
+    try:
+        with _open_text(path) as f:
+            for line in f:
+                lineno += 1
+                if line.strip():
+                    yield json.loads(line)
+    except (EOFError, OSError, zlib.error, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path}: truncated or corrupt after line {lineno} "
+                            f"({type(e).__name__}: {e}); re-create it") from None
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{path}:{lineno}: not a JSON line ({e}); re-create the manifest") from None
+
+
+def _deserialize(path: Path, cls, report: V.ValidationReport) -> dict:
+    """``id -> object`` for a recordings or supervisions manifest (first of duplicates kept)."""
+    items: dict = {}
+    for d in read_jsonl(path):
+        item_id = d.get("id", "<no id>") if isinstance(d, dict) else "<not an object>"
+        try:
+            item = cls.from_dict(d)
+        except Exception as e:  # lhotse raises TypeError/KeyError/ValueError on bad fields
+            report.add(str(item_id), V.BAD_MANIFEST_ITEM, f"{path.name}: {type(e).__name__}: {e}"[:300])
+            continue
+        if item.id in items:
+            report.add(item.id, V.DUPLICATE_ID, f"id repeated in {path.name} (the first is kept)")
+            continue
+        items[item.id] = item
+    return items
+
+
+def load_cuts(rec_path: str | os.PathLike, sup_path: str | os.PathLike,
+              report: V.ValidationReport) -> list:
+    """Cuts (one per supervision, in supervision order) from a recordings and a supervisions
+    manifest. Problems go to ``report``; cut ids are supervision ids, hence unique."""
+    from lhotse import Recording, SupervisionSegment
+    from lhotse.cut import MonoCut
+    from lhotse.utils import fastcopy
+
+    recordings = _deserialize(Path(rec_path), Recording, report)
+    supervisions = _deserialize(Path(sup_path), SupervisionSegment, report)
+    cuts, used = [], set()
+    for sup in supervisions.values():
+        rec = recordings.get(sup.recording_id)
+        if rec is None:
+            report.add(sup.id, V.NO_RECORDING, f"recording {sup.recording_id!r} is not in {Path(rec_path).name}")
+            continue
+        used.add(rec.id)
+        if sup.start < 0 or sup.end > rec.duration + END_TOLERANCE_S:
+            report.add(sup.id, V.BAD_SEGMENT, f"segment {sup.start:.2f}-{sup.end:.2f}s lies outside "
+                                              f"recording {rec.id} ({rec.duration:.2f}s)")
+            continue
+        channel = sup.channel if isinstance(sup.channel, int) else sup.channel[0]
+        duration = min(sup.duration, rec.duration - sup.start)
+        cuts.append(MonoCut(id=sup.id, start=sup.start, duration=duration, channel=channel,
+                            recording=rec, supervisions=[fastcopy(sup, start=0.0, duration=duration)]))
+    for rec_id in recordings.keys() - used:
+        report.add(rec_id, V.NO_SUPERVISION, "recording without a supervision")
+    return cuts
+
+
+def supervision_text(sup) -> str:
+    """The text to phonemize: ``custom["normalized_text"]`` when the corpus gives one (LJSpeech:
+    "1839" is spoken "eighteen thirty-nine", which the normalised text spells out), else ``text``."""
+    custom = sup.custom or {}
+    text = custom.get("normalized_text") or sup.text or ""
+    return text.strip()
