@@ -98,7 +98,8 @@ def test_eos_stops_a_row():
     for seed in range(6):
         try:
             codes, lens = model.inference(b["text_tokens"], b["text_tokens_lens"], prompt, plens,
-                                          seed=seed, max_len_ratio=10, return_lens=True)  # fmt: skip
+                                          seed=seed, max_len_ratio=10, return_lens=True,
+                                          stop_rule="sampled")  # fmt: skip
         except ValueError:
             continue  # EOS first: acceptable here
         caps = b["text_tokens_lens"] * 10

@@ -58,7 +58,9 @@ def test_forward_stage_mode(name, mode, stage):
         assert metrics["nar_frames"].item() == 0
     # Loss is a sum, not a mean: roughly ln(1025) per frame at init.
     frames = metrics["ar_frames"] + metrics["nar_frames"]
-    assert 3.0 < loss.item() / frames.item() < 15.0
+    # About ln(1025) per frame at init; the NAR heads tied lifeiteng's way are unscaled
+    # N(0, 1) tables, so stage 2 starts higher (as in lifeiteng).
+    assert 3.0 < loss.item() / frames.item() < (30.0 if stage == 2 else 15.0)
     torch.testing.assert_close(loss.detach(), metrics["ar_loss"] + metrics["nar_loss"])
 
     loss.backward()
@@ -117,7 +119,7 @@ def test_flags_and_get_model():
     assert torch.isfinite(loss)
     model.eval()
     codes = model.inference(b["text_tokens"], b["text_tokens_lens"], b["audio_features"][:, :3],
-                            top_k=1, force_len=5)  # fmt: skip
+                            prompt_text_lens=torch.tensor([2, 1, 0, 3]), top_k=1, force_len=5)  # fmt: skip
     assert codes.shape == (4, 5, 4)
     assert Q == 8
 

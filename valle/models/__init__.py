@@ -6,7 +6,14 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-from .valle import NUM_AUDIO_TOKENS, VALLE, VALLF
+from .valle import (
+    NAR_HEAD_TIES,
+    NAR_POSITION_SCALES,
+    NUM_AUDIO_TOKENS,
+    POSITION_LAYOUTS,
+    VALLE,
+    VALLF,
+)
 
 __all__ = ["NUM_AUDIO_TOKENS", "VALLE", "VALLF", "add_model_arguments", "get_model", "str2bool"]
 
@@ -15,6 +22,14 @@ MODEL_DEFAULTS: dict[str, Any] = dict(
     model_name="valle", decoder_dim=1024, nhead=16, num_decoder_layers=12, scale_factor=1.0,
     norm_first=True, add_prenet=False, prefix_mode=1, share_embedding=True, prepend_bos=False,
     num_quantizers=8, num_text_tokens=512, dropout=0.1,
+    tie_ar_head=False, nar_head_tie="lifeiteng", positions="interleaved", nar_position_scale="fixed",
+)  # fmt: skip
+
+# What the keys added after the first checkpoints meant before they existed: a config
+# without them was written by the first model (AR head tied under --share-embedding,
+# NAR head j = codebook j's table, concatenated positions, learned NAR position scale).
+LEGACY_HPARAMS: dict[str, Any] = dict(
+    nar_head_tie="same", positions="concatenated", nar_position_scale="learned",
 )  # fmt: skip
 
 _MODEL_CLASSES = {"valle": VALLE, "vall-e": VALLE, "vallf": VALLF, "vall-f": VALLF}
@@ -49,7 +64,19 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-mode", type=int, default=d["prefix_mode"], choices=[0, 1, 2, 4],
                    help="NAR prompt: 0 none, 1 prefix, 2 random segment, 4 other utterance")  # fmt: skip
     g.add_argument("--share-embedding", type=str2bool, default=d["share_embedding"],
-                   help="tie output heads to audio embeddings")  # fmt: skip
+                   help="as in lifeiteng/vall-e: tie the NAR output heads to the NAR audio "
+                        "embeddings (the AR head stays untied; see --tie-ar-head)")  # fmt: skip
+    g.add_argument("--tie-ar-head", type=str2bool, default=d["tie_ar_head"],
+                   help="also tie the AR output head to the AR audio embedding (this project's "
+                        "first meaning of --share-embedding true)")  # fmt: skip
+    g.add_argument("--nar-head-tie", default=d["nar_head_tie"], choices=list(NAR_HEAD_TIES),
+                   help="with --share-embedding: lifeiteng (stage j's head is codebook j+1's "
+                        "table, the last stage has its own) or same (codebook j's table)")  # fmt: skip
+    g.add_argument("--positions", default=d["positions"], choices=list(POSITION_LAYOUTS),
+                   help="sinusoid layout: interleaved sin/cos (lifeiteng) or concatenated")  # fmt: skip
+    g.add_argument("--nar-position-scale", default=d["nar_position_scale"],
+                   choices=list(NAR_POSITION_SCALES),
+                   help="NAR positional scale alpha: fixed at 1 (lifeiteng) or learned")  # fmt: skip
     g.add_argument(
         "--prepend-bos", type=str2bool, default=d["prepend_bos"], help="BOS before AR audio"
     )
@@ -64,7 +91,7 @@ def model_hparams(params: Any) -> dict[str, Any]:
     """The model's hyper-parameters from a Namespace/dataclass/dict; missing ones take defaults."""
     get = params.get if isinstance(params, Mapping) else (lambda k, dflt: getattr(params, k, dflt))
     hp = {k: get(k, v) for k, v in MODEL_DEFAULTS.items()}
-    for k in ("norm_first", "add_prenet", "share_embedding", "prepend_bos"):
+    for k in ("norm_first", "add_prenet", "share_embedding", "prepend_bos", "tie_ar_head"):
         hp[k] = str2bool(hp[k])
     for k in (
         "decoder_dim",
@@ -77,6 +104,8 @@ def model_hparams(params: Any) -> dict[str, Any]:
         hp[k] = int(hp[k])
     hp["scale_factor"], hp["dropout"] = float(hp["scale_factor"]), float(hp["dropout"])
     hp["model_name"] = str(hp["model_name"]).lower()
+    for k in ("nar_head_tie", "positions", "nar_position_scale"):
+        hp[k] = str(hp[k])
     return hp
 
 

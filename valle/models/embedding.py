@@ -10,25 +10,43 @@ from torch import nn
 
 
 class SinePositionalEncoding(nn.Module):
-    """x + alpha * sinusoid(position), then dropout; alpha is learned (as in VALL-E recipes).
+    """x + alpha * sinusoid(position), then dropout.
+
+    ``interleaved=True`` lays the features out as sin, cos, sin, cos, ... (lifeiteng/vall-e,
+    the Transformer paper); ``False`` as all sines then all cosines (this project's first
+    layout). The two are a fixed permutation of each other: equivalent from scratch, but
+    trained weights only carry over with the layout they were trained with.
+    ``learned_alpha=False`` keeps alpha at its loaded value (1 at init) as a buffer, as
+    lifeiteng's NAR positions do; the state-dict key is ``alpha`` either way.
 
     Positions are given explicitly, per row when needed, so the same code serves
     training (0..T-1) and batched decoding where rows have different prompt lengths.
     """
 
-    def __init__(self, dim: int, dropout: float = 0.0):
+    def __init__(
+        self, dim: int, dropout: float = 0.0, interleaved: bool = True, learned_alpha: bool = True
+    ):
         super().__init__()
         if dim % 2:
             raise ValueError(f"model width must be even for sinusoidal positions, got {dim}")
-        self.alpha = nn.Parameter(torch.ones(1))
-        inv_freq = torch.exp(
-            torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim)
-        )
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.interleaved = interleaved
+        if learned_alpha:
+            self.alpha = nn.Parameter(torch.ones(1))
+        else:
+            self.register_buffer("alpha", torch.ones(1))
+        self.dim = dim
         self.dropout = nn.Dropout(dropout)
 
     def encoding(self, positions: torch.Tensor) -> torch.Tensor:
-        angles = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq
+        # Frequencies computed here in float32 (not a buffer): model.to(bfloat16) would
+        # round them and shift every position's phase.
+        inv_freq = torch.exp(
+            torch.arange(0, self.dim, 2, dtype=torch.float32, device=positions.device)
+            * (-math.log(10000.0) / self.dim)
+        )
+        angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+        if self.interleaved:
+            return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(-2)
         return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,11 @@ STREAM_NAR_STAGE = 0
 STREAM_PREFIX_LEN = 1
 STREAM_PREFIX_START = 2
 
+NAR_HEAD_TIES = ("lifeiteng", "same")
+POSITION_LAYOUTS = ("interleaved", "concatenated")
+NAR_POSITION_SCALES = ("fixed", "learned")
+STOP_RULES = ("argmax_or_sampled", "sampled")
+
 
 def _lengths_to_valid(lens: torch.Tensor, max_len: int) -> torch.Tensor:
     return torch.arange(max_len, device=lens.device)[None, :] < lens[:, None]
@@ -82,18 +87,31 @@ class _VALLEBase(nn.Module):
         num_text_tokens: int = 512,
         dropout: float = 0.1,
         model_name: str = "valle",
+        tie_ar_head: bool = False,
+        nar_head_tie: str = "lifeiteng",
+        positions: str = "interleaved",
+        nar_position_scale: str = "fixed",
     ):
         super().__init__()
         if prefix_mode not in (0, 1, 2, 4):
             raise ValueError(f"--prefix-mode must be 0, 1, 2 or 4, got {prefix_mode}")
         if num_quantizers < 1:
             raise ValueError(f"--num-quantizers must be >= 1, got {num_quantizers}")
+        for flag, value, choices in (
+            ("--nar-head-tie", nar_head_tie, NAR_HEAD_TIES),
+            ("--positions", positions, POSITION_LAYOUTS),
+            ("--nar-position-scale", nar_position_scale, NAR_POSITION_SCALES),
+        ):
+            if value not in choices:
+                raise ValueError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
         self.hparams: dict[str, Any] = dict(
             model_name=model_name, decoder_dim=decoder_dim, nhead=nhead,
             num_decoder_layers=num_decoder_layers, scale_factor=scale_factor,
             norm_first=norm_first, add_prenet=add_prenet, prefix_mode=prefix_mode,
             share_embedding=share_embedding, prepend_bos=prepend_bos,
             num_quantizers=num_quantizers, num_text_tokens=num_text_tokens, dropout=dropout,
+            tie_ar_head=tie_ar_head, nar_head_tie=nar_head_tie, positions=positions,
+            nar_position_scale=nar_position_scale,
         )  # fmt: skip
         self.prefix_mode, self.num_quantizers = prefix_mode, num_quantizers
         self.share_embedding, self.prepend_bos = share_embedding, prepend_bos
@@ -113,13 +131,16 @@ class _VALLEBase(nn.Module):
         self.ar_audio_embedding = nn.Embedding(vocab + 1 + int(prepend_bos), d)
         self.ar_text_prenet = TextPrenet(d, dropout) if add_prenet else None
         self.ar_audio_prenet = AudioPrenet(d, dropout) if add_prenet else None
-        self.ar_text_position = SinePositionalEncoding(d, dropout)
-        self.ar_audio_position = SinePositionalEncoding(d, dropout)
+        interleaved = positions == "interleaved"
+        self.ar_text_position = SinePositionalEncoding(d, dropout, interleaved)
+        self.ar_audio_position = SinePositionalEncoding(d, dropout, interleaved)
         self.ar_decoder = TransformerStack(
             num_decoder_layers, d, nhead, dropout, norm_first, cross=self.cross_attention
         )
-        # Tied head: logits from the audio embedding rows 0..1024 (EOS included).
-        self.ar_predict_layer = None if share_embedding else nn.Linear(d, vocab + 1, bias=False)
+        # lifeiteng keeps the AR head untied even under --share-embedding (tying hurt its
+        # accuracy); --tie-ar-head ties it to the audio embedding rows 0..1024 (EOS included).
+        self.tie_ar_head = tie_ar_head
+        self.ar_predict_layer = None if tie_ar_head else nn.Linear(d, vocab + 1, bias=False)
 
         # --- NAR: codebooks 1..Q-1 ---
         if num_quantizers > 1:
@@ -127,19 +148,28 @@ class _VALLEBase(nn.Module):
             # One table per codebook, stacked so all Q lookups are one embedding call;
             # row 1024 (pad) exists so padded frames index safely (they are masked out).
             self.nar_audio_embedding = nn.Parameter(torch.randn(num_quantizers, vocab + 1, nar_d))
-            self.nar_text_position = SinePositionalEncoding(nar_d, dropout)
-            self.nar_audio_position = SinePositionalEncoding(nar_d, dropout)
+            # As in lifeiteng: no dropout on the NAR text positions; alpha fixed unless
+            # --nar-position-scale learned.
+            learned = nar_position_scale == "learned"
+            self.nar_text_position = SinePositionalEncoding(nar_d, 0.0, interleaved, learned)
+            self.nar_audio_position = SinePositionalEncoding(nar_d, dropout, interleaved, learned)
             self.nar_stage_embedding = nn.Embedding(num_quantizers - 1, nar_d)
             self.nar_decoder = TransformerStack(
                 nar_layers, nar_d, nar_heads, dropout, norm_first, adaptive=True,
                 cross=self.cross_attention,
             )  # fmt: skip
-            # Stacked heads, one per stage, gathered per row. Tied: the head of stage j
-            # is the embedding table of codebook j (what it predicts).
-            self.nar_predict_weight = (
-                None if share_embedding
-                else nn.Parameter(torch.randn(num_quantizers - 1, vocab, nar_d) * nar_d**-0.5)
-            )  # fmt: skip
+            # Output heads, gathered per row (see _nar_head). Untied: one stacked table.
+            # Tied (--share-embedding), lifeiteng's layout: the head of stage j is the
+            # embedding table of codebook j+1 and the last stage has its own head;
+            # --nar-head-tie same: the head of stage j is codebook j's table (what it predicts).
+            self.nar_head_tie = nar_head_tie if share_embedding else "none"
+            self.nar_predict_weight = self.nar_predict_last = None
+            if not share_embedding:
+                self.nar_predict_weight = nn.Parameter(
+                    torch.randn(num_quantizers - 1, vocab, nar_d) * nar_d**-0.5
+                )
+            elif nar_head_tie == "lifeiteng":
+                self.nar_predict_last = nn.Parameter(torch.randn(vocab, nar_d) * nar_d**-0.5)
 
     # ------------------------------------------------------------------ params
     def stage_parameters(self, train_stage: int) -> list[tuple[str, nn.Parameter]]:
@@ -197,10 +227,15 @@ class _VALLEBase(nn.Module):
 
     def _nar_head(self, h: torch.Tensor, stage: torch.Tensor) -> torch.Tensor:
         """Per-row output head: logits (B, T, 1024) of stage ``stage[b]`` for row b."""
+        table = self.nar_audio_embedding
         if self.nar_predict_weight is not None:
             weight = self.nar_predict_weight[stage - 1]
-        else:
-            weight = self.nar_audio_embedding[stage, :NUM_AUDIO_TOKENS] * self.nar_dim**-0.5
+        elif self.nar_head_tie == "same":
+            weight = table[stage, :NUM_AUDIO_TOKENS] * self.nar_dim**-0.5
+        else:  # lifeiteng: stage j -> table j+1 (unscaled); the last stage has its own head
+            last = stage == self.num_quantizers - 1
+            tied = table[(stage + 1).clamp(max=self.num_quantizers - 1), :NUM_AUDIO_TOKENS]
+            weight = torch.where(last[:, None, None], self.nar_predict_last, tied)
         return torch.bmm(h, weight.transpose(1, 2).to(h.dtype))
 
     # ----------------------------------------------- architecture-specific cores
@@ -369,6 +404,7 @@ class _VALLEBase(nn.Module):
         prompt_codes: torch.Tensor,
         prompt_lens: torch.Tensor | None = None,
         *,
+        prompt_text_lens: torch.Tensor | None = None,
         top_k: int = -100,
         top_p: float = 1.0,
         temperature: float = 1.0,
@@ -376,31 +412,95 @@ class _VALLEBase(nn.Module):
         use_kv_cache: bool = True,
         seed: int | None = None,
         force_len: int | None = None,
+        stop_rule: str = "argmax_or_sampled",
+        num_candidates: int = 1,
+        repetition_aware: bool = False,
+        ras_window: int = 10,
+        ras_threshold: float = 0.1,
+        on_empty: str = "raise",
         return_lens: bool = False,
     ):
         """Synthesize codes (B, T, Q) for several texts at once, each after its prompt.
 
-        ``text_tokens`` holds the prompt's text followed by the text to say; the AR
-        continues the prompt's codebook 0 until EOS (per row) or ``max_len_ratio`` x the
-        row's text length frames; the NAR then fills codebooks 1..Q-1 greedily. Rows
-        shorter than T are padded with 1024; ``return_lens=True`` also returns lengths.
-        ``force_len`` ignores EOS and generates exactly that many frames (benchmarks).
-        Raises ValueError when a row's first generated token is EOS.
+        ``text_tokens`` is BOS + the prompt's transcript + the text to say + EOS; the AR
+        continues the prompt's codebook 0 until it stops (per row) or reaches
+        ``max_len_ratio`` x the row's text length frames; the NAR then fills codebooks
+        1..Q-1 greedily. Rows shorter than T are padded with 1024; ``return_lens=True``
+        also returns lengths.
+
+        * ``prompt_text_lens`` (B,): tokens after BOS that belong to the prompt's
+          transcript. Prefix modes 2 and 4 need it: their NAR was trained on the target
+          text alone, so it is given BOS + the text to say + EOS (as in lifeiteng).
+        * ``stop_rule``: ``argmax_or_sampled`` (lifeiteng) stops a row when EOS is the most
+          likely token or is sampled; ``sampled`` only when it is sampled.
+        * ``num_candidates`` N > 1: N AR samples per row, keep the one with the highest
+          mean log-likelihood per frame under the model (EOS included when it stopped).
+        * ``repetition_aware``: VALL-E 2's repetition-aware sampling: a token that already
+          fills more than ``ras_threshold`` of the last ``ras_window`` generated tokens is
+          redrawn from the full (temperature-scaled, unfiltered) distribution.
+        * ``force_len`` ignores EOS and generates exactly that many frames (benchmarks).
+        * A row whose first generated token is EOS has nothing to synthesise:
+          ``on_empty="raise"`` raises ValueError naming the rows; ``"mark"`` returns
+          length 0 for them (the other rows are decoded normally).
         """
+        if stop_rule not in STOP_RULES:
+            raise ValueError(f"stop_rule must be one of {STOP_RULES}, got {stop_rule!r}")
+        if on_empty not in ("raise", "mark"):
+            raise ValueError(f"on_empty must be 'raise' or 'mark', got {on_empty!r}")
+        if num_candidates < 1:
+            raise ValueError(f"--num-candidates must be >= 1, got {num_candidates}")
         device = text_tokens.device
         bsz, p_max = prompt_codes.shape[0], prompt_codes.shape[1]
         if prompt_lens is None:
             prompt_lens = torch.full((bsz,), p_max, dtype=torch.long, device=device)
         prompt_codes = prompt_codes[..., : self.num_quantizers]
-        gen0, gen_lens = self._ar_generate(
-            text_tokens, text_tokens_lens, prompt_codes[..., 0], prompt_lens,
+        nar_text, nar_text_lens = self._nar_text(text_tokens, text_tokens_lens, prompt_text_lens)
+        n = num_candidates
+        rep = (lambda t: t.repeat_interleave(n, dim=0)) if n > 1 else (lambda t: t)
+        gen0, gen_lens, scores = self._ar_generate(
+            rep(text_tokens), rep(text_tokens_lens), rep(prompt_codes[..., 0]), rep(prompt_lens),
             top_k=top_k, top_p=top_p, temperature=temperature, max_len_ratio=max_len_ratio,
-            use_kv_cache=use_kv_cache, seed=seed, force_len=force_len,
+            use_kv_cache=use_kv_cache, seed=seed, force_len=force_len, stop_rule=stop_rule,
+            want_scores=n > 1, repetition_aware=repetition_aware, ras_window=ras_window,
+            ras_threshold=ras_threshold,
         )  # fmt: skip
+        if n > 1:
+            scores = scores.masked_fill(gen_lens == 0, float("-inf")).view(bsz, n)
+            pick = torch.arange(bsz, device=device) * n + scores.argmax(dim=1)
+            gen0, gen_lens = gen0[pick], gen_lens[pick]
+            gen0 = gen0[:, : int(gen_lens.max())]
+        empty = gen_lens == 0
+        if on_empty == "raise" and bool(empty.any()):
+            rows = empty.nonzero().flatten().tolist()
+            raise ValueError(
+                f"the AR model emitted EOS as the first token for batch row(s) {rows}: "
+                "no audio to synthesise (untrained checkpoint, or text/prompt mismatch)"
+            )
         codes = self._nar_generate(
-            text_tokens, text_tokens_lens, prompt_codes, prompt_lens, gen0, gen_lens
+            nar_text, nar_text_lens, prompt_codes, prompt_lens, gen0, gen_lens
         )
         return (codes, gen_lens) if return_lens else codes
+
+    def _nar_text(self, text, text_lens, prompt_text_lens):
+        """The NAR's text: all of it, or (prefix modes 2, 4) BOS + the text after the prompt's."""
+        if self.prefix_mode not in (2, 4):
+            return text, text_lens
+        if prompt_text_lens is None:
+            raise ValueError(
+                f"--prefix-mode {self.prefix_mode} needs prompt_text_lens at inference: its NAR "
+                "was trained on the target text alone"
+            )
+        ptl = prompt_text_lens.to(device=text.device, dtype=torch.long)
+        if bool((ptl < 0).any()) or bool((ptl + 2 > text_lens).any()):
+            raise ValueError(
+                f"prompt_text_lens {ptl.tolist()} do not fit text lengths {text_lens.tolist()}"
+            )
+        lens = text_lens - ptl
+        cols = torch.arange(text.shape[1], device=text.device)[None, :]
+        src = torch.where(cols == 0, cols, cols + ptl[:, None]).clamp(max=text.shape[1] - 1)
+        out = text.gather(1, src)
+        out = torch.where(cols < lens[:, None], out, text[:, -1:].expand_as(out))
+        return out[:, : int(lens.max())], lens
 
     @torch.no_grad()
     def continual(
@@ -438,8 +538,14 @@ class _VALLEBase(nn.Module):
 
     def _ar_generate(
         self, text, text_lens, prompt0, prompt_lens, *, top_k, top_p, temperature,
-        max_len_ratio, use_kv_cache, seed, force_len,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        max_len_ratio, use_kv_cache, seed, force_len, stop_rule="argmax_or_sampled",
+        want_scores=False, repetition_aware=False, ras_window=10, ras_threshold=0.1,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """Codebook 0 per row after its prompt: (codes (B, T), lengths (B,), scores or None).
+
+        A row whose first token is EOS gets length 0. Every step is one batched model
+        call and tensor ops: no Python loop over rows or tokens inside a step.
+        """
         device, bsz = text.device, text.shape[0]
         eos = NUM_AUDIO_TOKENS
         if int(text.max()) >= self.num_text_tokens or int(text.min()) < 0:
@@ -466,6 +572,11 @@ class _VALLEBase(nn.Module):
             caps = torch.full((bsz,), int(force_len), device=device, dtype=torch.long)
         else:
             caps = torch.floor(text_lens.double() * max_len_ratio).long()
+        if bool((caps < 1).any()):
+            rows = (caps < 1).nonzero().flatten().tolist()
+            raise ValueError(
+                f"no frames allowed for batch row(s) {rows}: max_len_ratio={max_len_ratio} too small"
+            )
         max_new = int(caps.max())
         generator = None
         if seed is not None:
@@ -484,26 +595,42 @@ class _VALLEBase(nn.Module):
         out: list[torch.Tensor] = []
         done = torch.zeros(bsz, dtype=torch.bool, device=device)
         lens = torch.zeros(bsz, dtype=torch.long, device=device)
+        score = torch.zeros(bsz, dtype=torch.float32, device=device)
+        counted = torch.zeros(bsz, dtype=torch.float32, device=device)
+        history = torch.full((bsz, max(1, ras_window)), -1, dtype=torch.long, device=device)
         for i in range(max_new):
             if force_len is not None:
                 logits[:, eos] = float("-inf")
             tok = sample(
                 logits, top_k=top_k, top_p=top_p, temperature=temperature, generator=generator
             )
+            if repetition_aware:
+                # VALL-E 2: a token repeated too often in the recent window is redrawn
+                # from the full distribution (no top-k/top-p), which breaks loops.
+                ratio = (history == tok[:, None]).sum(dim=1).float() / history.shape[1]
+                free = sample(logits, temperature=temperature, generator=generator)
+                if force_len is not None:
+                    free = torch.where(free == eos, tok, free)
+                tok = torch.where(ratio > ras_threshold, free, tok)
             is_eos = tok == eos
-            if i == 0 and bool(is_eos.any()):
-                rows = is_eos.nonzero().flatten().tolist()
-                raise ValueError(
-                    f"the AR model emitted EOS as the first token for batch row(s) {rows}: "
-                    "no audio to synthesise (untrained checkpoint, or text/prompt mismatch)"
-                )
+            if stop_rule == "argmax_or_sampled":
+                # lifeiteng: also stop when EOS is the most likely token, sampled or not.
+                is_eos = is_eos | (logits.argmax(dim=-1) == eos)
             stop = is_eos | (i >= caps)
+            if want_scores:
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                picked = logp.gather(1, torch.where(is_eos, eos, tok)[:, None]).squeeze(1)
+                counts = ~done & (is_eos | ~stop)  # a frame kept, or the EOS that ended the row
+                score = score + torch.where(counts, picked, torch.zeros_like(picked))
+                counted = counted + counts.float()
             lens = torch.where(stop & ~done, torch.full_like(lens, i), lens)
             done = done | stop
             tok = tok.masked_fill(done, eos)
             out.append(tok)
             if bool(done.all()):
                 break
+            if repetition_aware:
+                history = torch.cat([history[:, 1:], tok[:, None]], dim=1)
             new_pos = n_in + i
             if i + 1 == max_new:
                 break  # no further token will be sampled: skip the last model call
@@ -519,20 +646,16 @@ class _VALLEBase(nn.Module):
                 )
             logits = self._ar_logits(h[:, -1])
         lens = torch.where(done, lens, torch.full_like(lens, len(out)))
-        if bool((lens == 0).any()):
-            rows = (lens == 0).nonzero().flatten().tolist()
-            raise ValueError(
-                f"no frames generated for batch row(s) {rows}: max_len_ratio={max_len_ratio} too small"
-            )
         gen = torch.stack(out, dim=1)[:, : int(lens.max())]
-        return gen, lens
+        scores = score / counted.clamp(min=1) if want_scores else None
+        return gen, lens, scores
 
     def _nar_generate(self, text, text_lens, prompt, prompt_lens, gen0, gen_lens) -> torch.Tensor:
         """Greedy NAR over codebooks 1..Q-1 after the AR (or ground-truth) codebook 0."""
         q, bsz = self.num_quantizers, gen0.shape[0]
         gen = gen0.new_full((bsz, gen0.shape[1], q), NUM_AUDIO_TOKENS)
         gen[..., 0] = gen0
-        if q == 1:
+        if q == 1 or gen0.shape[1] == 0:
             return gen
         text_valid = _lengths_to_valid(text_lens, text.shape[1])
         packed, lens = pack_sequences(prompt, prompt_lens, gen, gen_lens, NUM_AUDIO_TOKENS)
