@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# pytest runs with --import-mode=importlib: make data_testlib importable.
+sys.path.insert(0, str(Path(__file__).parent))
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

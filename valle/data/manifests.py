@@ -48,7 +48,7 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
                 if line.strip():
                     yield json.loads(line)
     except (EOFError, OSError, zlib.error, UnicodeDecodeError) as e:
-        raise ManifestError(f"{path}: truncated or corrupt after line {lineno} "
+        raise ManifestError(f"{path}: truncated or corrupt after {lineno} good line(s) "
                             f"({type(e).__name__}: {e}); re-create it") from None
     except json.JSONDecodeError as e:
         raise ManifestError(f"{path}:{lineno}: not a JSON line ({e}); re-create the manifest") from None

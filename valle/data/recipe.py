@@ -1,0 +1,172 @@
+"""Recipe steps on tokenized cut manifests (egs/*/prepare.sh stages 3-5), streaming.
+
+    python -m valle.data.recipe combine OUT IN [IN ...]     join parts; repeated cut ids dropped
+    python -m valle.data.recipe split ALL --dev N --test M --prefix P --output-dir D
+    python -m valle.data.recipe describe CUTS [CUTS ...]     counts, hours, durations, text tokens
+    python -m valle.data.recipe shar CUTS OUT_DIR [--shard-size 1000]
+
+Errors are one line naming the file (exit 2); dropped items are listed, never silent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from valle.data import validation as V
+from valle.data.manifests import ManifestError
+
+logger = logging.getLogger("recipe")
+
+
+def _iter(path: Path):
+    """Cut dicts of a manifest (plain JSON: these steps need no lhotse, so they start fast);
+    a missing or truncated file is one error line naming it."""
+    from valle.data.manifests import read_jsonl
+
+    yield from read_jsonl(path)
+
+
+class _Writer:
+    """A ``.jsonl.gz`` written under a temporary name; ``finish`` renames it into place."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.tmp = self.path.with_name(".tmp." + self.path.name)
+        self.f = gzip.open(self.tmp, "wt", encoding="utf-8")
+
+    def write(self, item: dict) -> None:
+        self.f.write(json.dumps(item, ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        self.f.close()
+
+    def finish(self) -> None:
+        self.close()
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        self.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def combine(output: Path, inputs: list[Path]) -> V.ValidationReport:
+    """Concatenate cut manifests (one input is fine). A cut id seen before is dropped and
+    reported: a duplicated cut would train twice per epoch."""
+    report, seen = V.ValidationReport(), set()
+    writer = _Writer(output)
+    try:
+        for path in inputs:
+            for cut in _iter(path):
+                report.checked += 1
+                if cut["id"] in seen:
+                    report.add(cut["id"], V.DUPLICATE_ID, f"repeated in {path.name} (the first is kept)")
+                    continue
+                seen.add(cut["id"])
+                writer.write(cut)
+    except BaseException:
+        writer.discard()
+        raise
+    writer.finish()
+    for e in report.entries:
+        print(f"combine: dropped {e.cut_id}: {e.reason} ({e.detail})")
+    print(f"combine: {len(seen)} cuts from {len(inputs)} manifest(s) -> {output}; {report.summary()}")
+    return report
+
+
+def split(all_path: Path, output_dir: Path, prefix: str, num_dev: int, num_test: int) -> dict[str, int]:
+    """First ``num_dev`` cuts -> dev, next ``num_test`` -> test, the rest -> train."""
+    counts = {"dev": 0, "test": 0, "train": 0}
+    paths = {k: output_dir / f"{prefix}_cuts_{k}.jsonl.gz" for k in counts}
+    writers = {k: _Writer(p) for k, p in paths.items()}
+    try:
+        for i, cut in enumerate(_iter(all_path)):
+            part = "dev" if i < num_dev else "test" if i < num_dev + num_test else "train"
+            writers[part].write(cut)
+            counts[part] += 1
+        if counts["train"] == 0:
+            raise ManifestError(f"{all_path}: only {sum(counts.values())} cuts, cannot hold out "
+                                f"{num_dev} for dev and {num_test} for test (lower --num-dev/--num-test)")
+    except BaseException:
+        for w in writers.values():
+            w.discard()
+        raise
+    for w in writers.values():
+        w.finish()
+    print(f"split: {counts} -> {output_dir}")
+    return counts
+
+
+def describe(path: Path) -> dict:
+    import numpy as np
+
+    durations, tokens, speakers = [], [], set()
+    for cut in _iter(path):
+        sup = (cut.get("supervisions") or [{}])[0]
+        custom = sup.get("custom") or {}
+        durations.append(float(cut["duration"]))
+        tokens.append(int(custom.get("num_text_tokens", len((custom.get("tokens") or {}).get("text", [])))))
+        speakers.add(sup.get("speaker"))
+    d = np.array(durations or [0.0])
+    t = np.array(tokens or [0])
+    info = {"cuts": len(durations), "hours": float(d.sum() / 3600), "speakers": len(speakers - {None})}
+    print(f"{path}: {info['cuts']} cuts, {info['hours']:.3f} h, {info['speakers']} speakers; duration s "
+          f"min/median/p99/max {d.min():.2f}/{np.median(d):.2f}/{np.percentile(d, 99):.2f}/{d.max():.2f}; "
+          f"text tokens/s {t.sum() / max(d.sum(), 1e-9):.1f}; longest text {int(t.max())} tokens")
+    return info
+
+
+def shar(path: Path, out_dir: Path, shard_size: int) -> list[str]:
+    from valle.data.pipeline import export_shar
+
+    if not Path(path).is_file():
+        raise ManifestError(f"{path}: no such cut manifest")
+    files = export_shar(Path(path), Path(out_dir), shard_size)
+    print(f"shar: {path} -> {out_dir} ({sum(1 for f in files if '/cuts.' in f)} shard(s))")
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m valle.data.recipe", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("combine")
+    c.add_argument("output", type=Path)
+    c.add_argument("inputs", type=Path, nargs="+")
+    s = sub.add_parser("split")
+    s.add_argument("all", type=Path)
+    s.add_argument("--output-dir", type=Path, required=True)
+    s.add_argument("--prefix", required=True)
+    s.add_argument("--dev", type=int, default=300)
+    s.add_argument("--test", type=int, default=300)
+    d = sub.add_parser("describe")
+    d.add_argument("cuts", type=Path, nargs="+")
+    h = sub.add_parser("shar")
+    h.add_argument("cuts", type=Path)
+    h.add_argument("output_dir", type=Path)
+    h.add_argument("--shard-size", type=int, default=1000)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.cmd == "combine":
+            combine(args.output, args.inputs)
+        elif args.cmd == "split":
+            split(args.all, args.output_dir, args.prefix, args.dev, args.test)
+        elif args.cmd == "describe":
+            for path in args.cuts:
+                describe(path)
+        else:
+            shar(args.cuts, args.output_dir, args.shard_size)
+    except ManifestError as e:
+        print(f"{p.prog} {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
