@@ -1,7 +1,8 @@
-"""Synthesis from a training checkpoint: text + prompt (audio, its text) -> 24 kHz wav.
+"""Synthesis from a checkpoint: text + prompt (audio, its text) -> 24 kHz wav.
 
-Library entry behind ``bin/infer.py``. The model's hyper-parameters and the symbol
-table path come from the checkpoint's ``config`` (docs/architecture.md). Heavy
+Library entry behind ``bin/infer.py`` (every flag: docs/inference.md). The model's
+hyper-parameters and the symbol table path come from the checkpoint: this project's
+(``config``) or a lifeiteng/vall-e one (converted by ``valle.models.convert``). Heavy
 dependencies (phonemizer, EnCodec, soundfile) are imported inside functions.
 """
 
@@ -10,8 +11,10 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
+import re
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
 TSV_COLUMNS = ("prompt_text", "prompt_wav", "text", "out_wav")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BEST_CHECKPOINT = "best-valid-loss.pt"
 
 
 class InputError(ValueError):
@@ -30,44 +35,94 @@ class InputError(ValueError):
 @dataclass
 class Item:
     prompt_text: str
-    prompt_wav: str
+    prompt_wav: str | list[str]  # several: their codes are joined in time into one prompt
     text: str
     out_wav: Path
     name: str  # how messages refer to this item
 
+    @property
+    def prompt_wavs(self) -> list[str]:
+        return [self.prompt_wav] if isinstance(self.prompt_wav, str) else list(self.prompt_wav)
+
+
+@dataclass
+class Failure:
+    """An item that produced no audio, and why (the other items of its batch still do)."""
+
+    name: str
+    reason: str
+
+
+@dataclass
+class RunResult:
+    written: list[Path] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+
 
 # ------------------------------------------------------------------- arguments
+def _bool_flag(value: str) -> bool:
+    from valle.models import str2bool
+
+    return str2bool(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Zero-shot TTS with a VALL-E/VALL-F checkpoint.",
+        description="Zero-shot TTS with a VALL-E/VALL-F checkpoint (ours or lifeiteng/vall-e's).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--checkpoint", required=True, help="a checkpoint written by bin/trainer.py")
-    p.add_argument(
-        "--text-prompts", default="", help="text of the prompt audio; several joined by '|'"
-    )
+    p.add_argument("--checkpoint", required=True,
+                   help="a checkpoint of bin/trainer.py or lifeiteng/vall-e; an exp dir: its "
+                        f"{BEST_CHECKPOINT}, else its newest epoch-*.pt")  # fmt: skip
+    p.add_argument("--text-prompts", default="",
+                   help="transcript of the prompt audio; several joined by '|' (see --prompt-join)")  # fmt: skip
     p.add_argument("--audio-prompts", default="", help="prompt wav file(s), several joined by '|'")
     p.add_argument("--text", default="", help="text(s) to synthesise, several joined by '|'")
+    p.add_argument("--prompt-join", default="concat", choices=["concat", "pair"],
+                   help="several prompts: concat = one prompt made of all of them, used for every "
+                        "text (lifeiteng); pair = the i-th prompt for the i-th text")  # fmt: skip
     p.add_argument(
         "--tsv", default=None, help="TSV with columns prompt_text, prompt_wav, text, out_wav"
     )
     p.add_argument("--output-dir", default="infer/demo", help="where wavs are written")
-    p.add_argument("--top-k", type=int, default=-100, help="top-k sampling (<= 0: off, 1: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--max-len-ratio", type=float, default=16.0,
+    g = p.add_argument_group("decoding")
+    g.add_argument("--top-k", type=int, default=-100, help="top-k sampling (<= 0: off, 1: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--max-len-ratio", type=float, default=16.0,
                    help="at most this many frames per text token (prompt text included)")  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=4, help="texts decoded together")
-    p.add_argument("--continual", action="store_true",
-                   help="codebook 0 from the prompt audio itself; the NAR predicts the rest (needs no --text)")  # fmt: skip
+    g.add_argument("--stop-rule", default="argmax-or-sampled",
+                   choices=["argmax-or-sampled", "sampled"],
+                   help="stop a row when EOS is the most likely token or is sampled (lifeiteng), "
+                        "or only when it is sampled")  # fmt: skip
+    g.add_argument("--num-candidates", type=int, default=1,
+                   help="best of N AR samples per text by the model's mean log-likelihood per frame")  # fmt: skip
+    g.add_argument("--repetition-aware", action="store_true",
+                   help="VALL-E 2 repetition-aware sampling")  # fmt: skip
+    g.add_argument("--ras-window", type=int, default=10,
+                   help="repetition-aware sampling: window of recent tokens")  # fmt: skip
+    g.add_argument("--ras-threshold", type=float, default=0.1,
+                   help="repetition-aware sampling: redraw when the token fills more than this "
+                        "share of the window")  # fmt: skip
+    g.add_argument("--split-sentences", action="store_true",
+                   help="synthesise a long text sentence by sentence (same prompt) and join the audio")  # fmt: skip
+    g.add_argument("--sentence-gap", type=float, default=0.15,
+                   help="seconds of silence between joined sentences")  # fmt: skip
+    g.add_argument("--batch-size", type=int, default=1,
+                   help="texts decoded together (faster; sampled rows then depend on their batch)")  # fmt: skip
+    p.add_argument("--continual", type=_bool_flag, nargs="?", const=True, default=False,
+                   help="resynthesise the prompt audio: codebook 0 from it, the NAR predicts "
+                        "the rest; --text-prompts is its whole transcript and --text is not used")  # fmt: skip
     p.add_argument(
         "--use-averaged-model", action="store_true", help="use the checkpoint's averaged weights"
     )
-    p.add_argument(
-        "--text-tokens", default=None, help="symbol table; default: the checkpoint config's"
-    )
-    p.add_argument("--language", default="en-us", help="espeak language of the texts")
+    p.add_argument("--text-tokens", default=None, help="symbol table; default: the checkpoint's")
+    p.add_argument("--language", default="en-us", help="espeak language of --text")
+    p.add_argument("--prompt-language", default=None,
+                   help="espeak language of --text-prompts (default: --language)")  # fmt: skip
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="inference precision of the model")  # fmt: skip
     p.add_argument("--encodec-checkpoint", default=None, help="EnCodec 24 kHz state dict")
     p.add_argument("--allow-random-encodec", action="store_true",
                    help="random EnCodec weights when none are found (tests only: the audio is noise)")  # fmt: skip
@@ -82,18 +137,45 @@ def _split(value: str) -> list[str]:
 def read_items(args: argparse.Namespace) -> list[Item]:
     out_dir = Path(args.output_dir)
     if args.tsv:
+        if args.text or args.audio_prompts or args.text_prompts:
+            raise InputError(
+                "--tsv names every item: leave out --text/--audio-prompts/--text-prompts"
+            )
         return _read_tsv(Path(args.tsv), out_dir)
     prompts, wavs, texts = _split(args.text_prompts), _split(args.audio_prompts), _split(args.text)
     if not wavs:
         raise InputError("--audio-prompts is required (or --tsv)")
+    if not prompts:
+        raise InputError(
+            "--text-prompts is required: the transcript of --audio-prompts "
+            f"({len(wavs)} file(s); several transcripts joined by '|')"
+        )
+    if len(prompts) != len(wavs) and args.prompt_join == "concat":
+        raise InputError(
+            f"--text-prompts has {len(prompts)} entries and --audio-prompts {len(wavs)}: "
+            "one transcript per prompt file (separated by '|')"
+        )
     if args.continual:
-        texts = texts or [""] * len(wavs)
+        if texts:
+            raise InputError(
+                "--continual resynthesises the prompt audio from its transcript "
+                "(--text-prompts): leave out --text"
+            )
+        texts = [""]
+    elif not texts:
+        raise InputError("--text is required: what to synthesise (several joined by '|')")
+    if args.prompt_join == "concat":
+        # lifeiteng: every prompt joined into one (transcripts by spaces, codes in time).
+        prompt_text = " ".join(prompts)
+        return [Item(prompt_text, list(wavs), t, out_dir / f"{i}.wav", f"item {i}")
+                for i, t in enumerate(texts)]  # fmt: skip
     n = max(len(prompts), len(wavs), len(texts))
     cols = {"--text-prompts": prompts, "--audio-prompts": wavs, "--text": texts}
     for flag, values in cols.items():
         if len(values) not in (1, n):
             raise InputError(
-                f"{flag} has {len(values)} entries; expected 1 or {n} (separated by '|')"
+                f"--prompt-join pair: {flag} has {len(values)} entries; the others have up to "
+                f"{n}: give 1 (used for every item) or {n}, separated by '|'"
             )
     pick = {flag: (v * n if len(v) == 1 else v) for flag, v in cols.items()}
     return [
@@ -136,38 +218,82 @@ def _read_tsv(path: Path, out_dir: Path) -> list[Item]:
     return items
 
 
+_SENTENCE_END = re.compile(r"(?<=[.!?;…])\s+|(?<=[。！？；])")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of ``text`` (the end punctuation kept); the text itself when it has one."""
+    parts = [s.strip() for s in _SENTENCE_END.split(text.strip())]
+    return [s for s in parts if s] or [text]
+
+
 # ---------------------------------------------------------------------- model
-def _load_payload(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise InputError(f"--checkpoint {path}: no such file")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:
-        # Trainer checkpoints also carry RNG states (numpy arrays) that the safe
-        # unpickler refuses; only load checkpoints you trust.
-        return torch.load(path, map_location="cpu", weights_only=False)
+def select_checkpoint(path: str | Path) -> Path:
+    """``path`` itself, or in an exp dir the best validation checkpoint (else the newest epoch).
+
+    The last epoch is not the best when validation loss rose (a tiny corpus overfits
+    fast): ``best-valid-loss.pt`` is what the trainer keeps for synthesis.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    best = path / BEST_CHECKPOINT
+    if best.is_file():
+        logger.info("--checkpoint %s: using %s (lowest validation loss)", path, best.name)
+        return best
+    epochs = sorted(path.glob("epoch-*.pt"), key=lambda p: p.stat().st_mtime)
+    if not epochs:
+        raise InputError(
+            f"--checkpoint {path}: a directory without {BEST_CHECKPOINT} or epoch-*.pt"
+        )
+    logger.warning("--checkpoint %s: no %s, using the newest epoch %s", path, BEST_CHECKPOINT,
+                   epochs[-1].name)  # fmt: skip
+    return epochs[-1]
 
 
 def load_model(
-    path: str | Path, device: torch.device | str = "cpu", use_averaged_model: bool = False
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    use_averaged_model: bool = False,
+    dtype: torch.dtype = torch.float32,
 ):
-    """(model in eval mode on ``device``, the checkpoint's config dict)."""
-    from valle.models import get_model
+    """(model in eval mode on ``device``, the checkpoint's config dict with the model's hparams).
 
-    payload = _load_payload(Path(path))
-    if not isinstance(payload, dict) or "model" not in payload:
-        raise InputError(f"--checkpoint {path}: not a valle checkpoint (no 'model' entry)")
-    config = dict(payload.get("config") or {})
-    state = payload["model"]
-    if use_averaged_model:
-        state = payload.get("model_avg")
-        if state is None:
-            raise InputError(f"--use-averaged-model: checkpoint {path} holds no averaged model")
-    # Tolerate wrappers' prefixes (DDP "module.", torch.compile "_orig_mod.").
-    state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in state.items()}
-    model = get_model(config)
-    model.load_state_dict(state)
-    return model.to(device).eval(), config
+    Our checkpoints and lifeiteng/vall-e's (converted) are both accepted.
+    """
+    from valle.models import get_model
+    from valle.models.convert import CheckpointError, from_payload, load_payload
+
+    path = select_checkpoint(path)
+    try:
+        payload = load_payload(path)
+        state, hp = from_payload(payload, str(path), use_averaged_model=use_averaged_model)
+    except CheckpointError as e:
+        raise InputError(f"--checkpoint: {e}") from e
+    config = {**dict(payload.get("config") or {}), **hp}
+    if hp.get("source_format") == "lifeiteng":
+        logger.info("--checkpoint %s: a lifeiteng/vall-e checkpoint, converted", path)
+    model = get_model(hp)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise InputError(
+            f"--checkpoint {path}: its weights do not fit the model its hyper-parameters describe "
+            f"({len(missing)} missing, e.g. {missing[:3]}; {len(unexpected)} unexpected, "
+            f"e.g. {unexpected[:3]})"
+        )
+    return model.to(device=device, dtype=dtype).eval(), config
+
+
+def decode_codes(
+    codes: torch.Tensor, checkpoint_config: dict[str, Any], audio_tokenizer
+) -> torch.Tensor:
+    """Codes (T, Q) -> (N,) float waveform at 24 kHz: the one place codes become audio.
+
+    ``checkpoint_config`` is the checkpoint's config, so a checkpoint that records its codec
+    can be decoded with that codec.
+    """
+    del checkpoint_config  # EnCodec 24 kHz for now
+    return audio_tokenizer.decode(codes.T.unsqueeze(0)).reshape(-1).float().cpu()
 
 
 # ------------------------------------------------------------------ synthesis
@@ -175,7 +301,14 @@ class Synthesizer:
     """Tokenises texts and prompts, runs the model, decodes codes to audio."""
 
     def __init__(
-        self, model, symbol_table_path: str | Path, audio_tokenizer, device, language: str = "en-us"
+        self,
+        model,
+        symbol_table_path: str | Path,
+        audio_tokenizer,
+        device,
+        language: str = "en-us",
+        prompt_language: str | None = None,
+        checkpoint_config: dict[str, Any] | None = None,
     ):
         from valle.data.symbols import SymbolTable
         from valle.data.text import TextTokenCollater, TextTokenizer
@@ -191,27 +324,54 @@ class Synthesizer:
                 f"{model.num_text_tokens} text tokens: wrong table for this checkpoint"
             )
         self.model, self.device = model, torch.device(device)
+        self.language, self.prompt_language = language, prompt_language or language
         self.text_tokenizer = TextTokenizer(language=language)
         self.collater = TextTokenCollater(table, add_bos=True, add_eos=True)
         self.audio_tokenizer = audio_tokenizer
+        self.config = dict(checkpoint_config or {})
+
+    def _phonemes(self, text: str, language: str, what: str, item: Item) -> list[str]:
+        from valle.data.text import TextTokenizationError
+
+        if not text.strip():
+            return []
+        try:
+            syms = self.text_tokenizer([text], language=language)[0]
+        except TextTokenizationError as e:
+            raise InputError(f"{item.name}: {what} ({language}): {e}") from e
+        if not syms:
+            raise InputError(f"{item.name}: {what} {text!r} gave no phonemes ({language})")
+        return syms
 
     def _text_tokens(self, items: list[Item], continual: bool):
-        symbols = []
+        """Token ids of BOS + prompt transcript + text + EOS, and the prompt part's lengths.
+
+        The prompt's transcript and the text are phonemized separately, each in its own
+        language; a word separator joins them and counts as part of the prompt.
+        """
+        from valle.data.text import WORD_SEP
+
+        symbols, prompt_lens = [], []
         for item in items:
             if not item.text.strip() and not continual:
                 raise InputError(f"{item.name}: the text to synthesise is empty")
-            text = f"{item.prompt_text} {item.text}".strip()
-            if not text:
+            prompt = self._phonemes(item.prompt_text, self.prompt_language, "prompt text", item)
+            text = self._phonemes(item.text, self.language, "text", item)
+            if prompt and text:
+                prompt = prompt + [WORD_SEP]
+            if not prompt and not text:
                 raise InputError(f"{item.name}: empty text (and empty prompt text)")
-            syms = self.text_tokenizer([text])[0]
-            if not syms:
-                raise InputError(f"{item.name}: text {text!r} gave no phonemes")
-            symbols.append(syms)
+            symbols.append(prompt + text)
+            prompt_lens.append(len(prompt))
         try:
             tokens, lens = self.collater(symbols, ids=[i.name for i in items])
         except KeyError as e:
             raise InputError(str(e)) from e
-        return tokens.to(self.device), lens.to(self.device)
+        return (
+            tokens.to(self.device),
+            lens.to(self.device),
+            torch.tensor(prompt_lens, device=self.device),
+        )
 
     def _prompt_codes(self, items: list[Item]):
         from valle.data.audio import load_audio_24k
@@ -219,20 +379,23 @@ class Synthesizer:
         q = self.model.num_quantizers
         codes = []
         for item in items:
-            if not item.prompt_wav:
+            if not item.prompt_wavs or not all(item.prompt_wavs):
                 raise InputError(f"{item.name}: no prompt audio file")
-            try:
-                wav = load_audio_24k(item.prompt_wav)
-            except Exception as e:  # unreadable, missing, empty: the message names the file
-                raise InputError(
-                    f"{item.name}: cannot read prompt audio {item.prompt_wav}: {e}"
-                ) from e
-            c = self.audio_tokenizer.encode(wav)[0].T  # (T, 8)
-            if c.shape[1] < q:
-                raise InputError(
-                    f"the audio tokenizer gives {c.shape[1]} codebooks, the model needs {q}"
-                )
-            codes.append(c[:, :q].to(self.device))
+            parts = []
+            for wav_path in item.prompt_wavs:
+                try:
+                    wav = load_audio_24k(wav_path)
+                except Exception as e:  # unreadable, missing, empty: the message names the file
+                    raise InputError(
+                        f"{item.name}: cannot read prompt audio {wav_path}: {e}"
+                    ) from e
+                c = self.audio_tokenizer.encode(wav)[0].T  # (T, 8)
+                if c.shape[1] < q:
+                    raise InputError(
+                        f"the audio tokenizer gives {c.shape[1]} codebooks, the model needs {q}"
+                    )
+                parts.append(c[:, :q])
+            codes.append(torch.cat(parts, dim=0).to(self.device))
         lens = torch.tensor([c.shape[0] for c in codes], device=self.device)
         out = torch.full(
             (len(codes), int(lens.max()), q), 1024, dtype=torch.long, device=self.device
@@ -243,9 +406,9 @@ class Synthesizer:
 
     def synthesize(
         self, items: list[Item], *, continual: bool = False, **decode_kwargs
-    ) -> list[torch.Tensor]:
-        """One (N,) float waveform at 24 kHz per item."""
-        text, text_lens = self._text_tokens(items, continual)
+    ) -> list[torch.Tensor | Failure]:
+        """One (N,) float waveform at 24 kHz per item, or a ``Failure`` for an item that has none."""
+        text, text_lens, prompt_text_lens = self._text_tokens(items, continual)
         prompt, prompt_lens = self._prompt_codes(items)
         if continual:
             codes, lens = self.model.continual(
@@ -253,13 +416,18 @@ class Synthesizer:
             )
         else:
             codes, lens = self.model.inference(
-                text, text_lens, prompt, prompt_lens, return_lens=True, **decode_kwargs
-            )
-        wavs = []
-        for b in range(codes.shape[0]):
-            row = codes[b, : int(lens[b])].T.unsqueeze(0)  # (1, Q, T)
-            wavs.append(self.audio_tokenizer.decode(row).reshape(-1).float().cpu())
-        return wavs
+                text, text_lens, prompt, prompt_lens, prompt_text_lens=prompt_text_lens,
+                on_empty="mark", return_lens=True, **decode_kwargs,
+            )  # fmt: skip
+        out: list[torch.Tensor | Failure] = []
+        for b, item in enumerate(items):
+            n = int(lens[b])
+            if n == 0:
+                out.append(Failure(item.name, "the AR model emitted EOS as its first token: no "
+                                   "audio (untrained checkpoint, or text/prompt mismatch)"))  # fmt: skip
+                continue
+            out.append(decode_codes(codes[b, :n], self.config, self.audio_tokenizer))
+        return out
 
 
 def write_wav(path: Path, wav: torch.Tensor) -> None:
@@ -269,18 +437,74 @@ def write_wav(path: Path, wav: torch.Tensor) -> None:
     sf.write(str(path), wav.clamp(-1.0, 1.0).numpy(), SAMPLE_RATE)
 
 
-def run(args: argparse.Namespace) -> list[Path]:
+def decode_options(args: argparse.Namespace) -> dict[str, Any]:
+    if args.num_candidates < 1:
+        raise InputError(f"--num-candidates must be >= 1, got {args.num_candidates}")
+    if args.ras_window < 1 or not 0 <= args.ras_threshold <= 1:
+        raise InputError("--ras-window must be >= 1 and --ras-threshold in [0, 1]")
+    return dict(top_k=args.top_k, top_p=args.top_p, temperature=args.temperature,
+                max_len_ratio=args.max_len_ratio, seed=args.seed,
+                stop_rule=args.stop_rule.replace("-", "_"), num_candidates=args.num_candidates,
+                repetition_aware=args.repetition_aware, ras_window=args.ras_window,
+                ras_threshold=args.ras_threshold)  # fmt: skip
+
+
+def _units(items: list[Item], split: bool) -> list[tuple[int, Item]]:
+    """(item index, what to decode): one per item, or one per sentence with --split-sentences."""
+    units = []
+    for i, item in enumerate(items):
+        parts = split_sentences(item.text) if split and item.text else [item.text]
+        for k, part in enumerate(parts):
+            name = item.name if len(parts) == 1 else f"{item.name} sentence {k + 1}/{len(parts)}"
+            units.append((i, Item(item.prompt_text, item.prompt_wav, part, item.out_wav, name)))
+    return units
+
+
+def synthesize_items(synth: Synthesizer, items: list[Item], args: argparse.Namespace) -> RunResult:
+    """Decode every item in batches, write its wav, and report the items that failed."""
+    kwargs = {} if args.continual else decode_options(args)
+    units = _units(items, args.split_sentences and not args.continual)
+    pieces: list[list[torch.Tensor | Failure]] = [[] for _ in items]
+    bs = max(1, args.batch_size)
+    started = time.monotonic()
+    for start in range(0, len(units), bs):
+        batch = units[start : start + bs]
+        for (i, _), result in zip(batch, synth.synthesize([u for _, u in batch],
+                                                          continual=args.continual, **kwargs)):  # fmt: skip
+            pieces[i].append(result)
+        done = min(start + bs, len(units))
+        if len(units) > bs:
+            rate = done / max(time.monotonic() - started, 1e-9)
+            logger.info("decoded %d/%d (%.2f/s, ETA %.0f s)", done, len(units), rate,
+                        (len(units) - done) / rate)  # fmt: skip
+    result = RunResult()
+    gap = torch.zeros(int(args.sentence_gap * SAMPLE_RATE))
+    for item, parts in zip(items, pieces):
+        failed = [p for p in parts if isinstance(p, Failure)]
+        if failed:
+            result.failures.append(Failure(item.name, "; ".join(
+                f.reason if f.name == item.name else f"{f.name}: {f.reason}" for f in failed)))  # fmt: skip
+            logger.error("%s: no wav: %s", item.name, result.failures[-1].reason)
+            continue
+        joined = [x for k, w in enumerate(parts) for x in ((gap, w) if k else (w,))]
+        wav = torch.cat(joined)
+        write_wav(item.out_wav, wav)
+        logger.info("%s: wrote %s (%.2f s)", item.name, item.out_wav, wav.numel() / SAMPLE_RATE)
+        result.written.append(item.out_wav)
+    return result
+
+
+def run(args: argparse.Namespace) -> RunResult:
     from valle.data.audio import AudioTokenizer
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     items = read_items(args)
+    decode_options(args)  # validate before loading anything
     torch.manual_seed(args.seed)
-    model, config = load_model(args.checkpoint, device, args.use_averaged_model)
+    model, config = load_model(args.checkpoint, device, args.use_averaged_model, DTYPES[args.dtype])
     table = args.text_tokens or config.get("text_tokens")
     if not table:
-        raise InputError(
-            "the checkpoint config names no text_tokens symbol table: pass --text-tokens"
-        )
+        raise InputError("the checkpoint names no text_tokens symbol table: pass --text-tokens")
     try:
         audio_tokenizer = AudioTokenizer(
             device,
@@ -289,29 +513,26 @@ def run(args: argparse.Namespace) -> list[Path]:
         )
     except FileNotFoundError as e:
         raise InputError(str(e)) from e
-    synth = Synthesizer(model, table, audio_tokenizer, device, language=args.language)
-    decode = dict(top_k=args.top_k, top_p=args.top_p, temperature=args.temperature,
-                  max_len_ratio=args.max_len_ratio, seed=args.seed)  # fmt: skip
-    written = []
-    for start in range(0, len(items), max(1, args.batch_size)):
-        batch = items[start : start + max(1, args.batch_size)]
-        kwargs = {} if args.continual else decode
-        for item, wav in zip(batch, synth.synthesize(batch, continual=args.continual, **kwargs)):
-            write_wav(item.out_wav, wav)
-            logger.info("%s: wrote %s (%.2f s)", item.name, item.out_wav, wav.numel() / SAMPLE_RATE)
-            written.append(item.out_wav)
-    return written
+    synth = Synthesizer(model, table, audio_tokenizer, device, language=args.language,
+                        prompt_language=args.prompt_language, checkpoint_config=config)  # fmt: skip
+    return synthesize_items(synth, items, args)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        run(args)
+        result = run(args)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:  # e.g. the AR emitted EOS at once: a model problem, not a crash
+    except ValueError as e:  # a model problem, not a crash
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    if result.failures:
+        print(f"error: {len(result.failures)} item(s) gave no audio ({len(result.written)} written):",
+              file=sys.stderr)  # fmt: skip
+        for f in result.failures:
+            print(f"  {f.name}: {f.reason}", file=sys.stderr)
         return 1
     return 0

@@ -85,7 +85,10 @@ def test_tsv_batch_and_continual(setup):
     tsv.write_text("prompt_text\tprompt_wav\ttext\tout_wav\n"
                    f"{PROMPT_TEXT}\t{prompt}\t{TEXT}\ta.wav\n"
                    f"the dog\t{prompt}\tjumps\tsub/b.wav\n")  # fmt: skip
-    argv = _args(ckpt, prompt, tmp / "tsv", **{"--tsv": tsv})
+    argv = [a for a in _args(ckpt, prompt, tmp / "tsv", **{"--tsv": tsv})]
+    for flag in ("--text-prompts", "--audio-prompts", "--text"):  # the TSV names them
+        k = argv.index(flag)
+        del argv[k : k + 2]
     assert main(argv) == 0
     for name, text in (("a.wav", f"{PROMPT_TEXT} {TEXT}"), ("sub/b.wav", "the dog jumps")):
         wav, _ = sf.read(str(tmp / "tsv" / name))

@@ -29,7 +29,12 @@ def reference():
 def test_hyper_parameters_come_from_the_checkpoint(reference):
     _, hp, _ = reference
     assert hp["source_format"] == "lifeiteng"
-    assert (hp["decoder_dim"], hp["nhead"], hp["num_decoder_layers"], hp["num_quantizers"]) == (32, 4, 1, 4)
+    assert (hp["decoder_dim"], hp["nhead"], hp["num_decoder_layers"], hp["num_quantizers"]) == (
+        32,
+        4,
+        1,
+        4,
+    )
     assert hp["num_text_tokens"] == 512 and hp["model_name"] == "valle"
     assert hp["share_embedding"] and not hp["tie_ar_head"] and hp["nar_head_tie"] == "lifeiteng"
     assert hp["positions"] == "interleaved" and hp["nar_position_scale"] == "fixed"

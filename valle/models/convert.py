@@ -76,25 +76,33 @@ def load_model_checkpoint(
     Accepts this project's checkpoints (``valle-checkpoint-1``) and lifeiteng/vall-e's.
     ``use_averaged_model`` takes ``model_avg`` instead of ``model``. Raises
     ``CheckpointError`` (a ValueError) with the file named when it cannot.
+    ``get_model(hparams)`` builds the model (extra keys such as ``text_tokens`` and
+    ``source_format`` are ignored by it).
     """
-    payload = load_payload(path)
+    return from_payload(load_payload(path), str(path), use_averaged_model=use_averaged_model)
+
+
+def from_payload(
+    payload: Mapping[str, Any], name: str, *, use_averaged_model: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``load_model_checkpoint`` on an already loaded payload (``name`` is for messages)."""
     key = "model_avg" if use_averaged_model else "model"
     state = payload.get(key)
     if state is None:
-        raise CheckpointError(f"checkpoint {path}: holds no {key!r} (averaged model)")
+        raise CheckpointError(f"checkpoint {name}: holds no {key!r} (averaged model)")
     # Tolerate wrappers' prefixes (DDP "module.", torch.compile "_orig_mod.").
     state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in state.items()}
     if is_lifeiteng_state(state):
-        return convert_lifeiteng(state, payload, name=str(path))
+        return convert_lifeiteng(state, payload, name=name)
     config = payload.get("config")
     if not isinstance(config, Mapping):
         raise CheckpointError(
-            f"checkpoint {path}: no 'config' with the model's hyper-parameters (not written "
+            f"checkpoint {name}: no 'config' with the model's hyper-parameters (not written "
             "by bin/trainer.py, nor a lifeiteng/vall-e checkpoint)"
         )
     missing = [k for k in REQUIRED_CONFIG_KEYS if k not in config]
     if missing:
-        raise CheckpointError(f"checkpoint {path}: its config lacks {', '.join(missing)}")
+        raise CheckpointError(f"checkpoint {name}: its config lacks {', '.join(missing)}")
     return state, ours_hparams(config, state)
 
 
@@ -133,7 +141,10 @@ def convert_lifeiteng(
             continue  # stacked below
         if k.endswith("_accuracy_metric") or "accuracy_metric." in k:
             continue
-        m = re.match(r"^(ar|nar)_decoder\.layers\.(\d+)\.(self_attn|multihead_attn)\.in_proj_(weight|bias)$", k)
+        m = re.match(
+            r"^(ar|nar)_decoder\.layers\.(\d+)\.(self_attn|multihead_attn)\.in_proj_(weight|bias)$",
+            k,
+        )
         if m:
             out.update(_split_in_proj(k, v, m.group(3) == "multihead_attn"))
             continue
