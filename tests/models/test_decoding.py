@@ -1,0 +1,162 @@
+"""Decoding options: stop rule, per-row empty rows, best-of-N, repetition-aware sampling,
+NAR text for prefix modes 2/4, positions, head tying, reduced precision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models_testlib import Q, make_batch, tiny_model
+
+from valle.models import NUM_AUDIO_TOKENS
+from valle.models.embedding import SinePositionalEncoding
+
+
+def _prompt(b, lens=(6, 3, 2, 5)):
+    return b["audio_features"][:, : max(lens)], torch.tensor(lens)
+
+
+def _eos_likely_model():
+    """EOS is the most likely token at every step (logit ~3.8) but has only ~4% of the mass."""
+    model = tiny_model("valle", 1).eval()
+    with torch.no_grad():
+        model.ar_predict_layer.weight.mul_(0.01)
+        model.ar_decoder.final_norm.bias.fill_(1.0)
+        model.ar_predict_layer.weight[NUM_AUDIO_TOKENS] = 0.12
+    return model
+
+
+def test_stop_rule_argmax_or_sampled():
+    model, b = _eos_likely_model(), make_batch()
+    prompt, plens = _prompt(b)
+    args = (b["text_tokens"], b["text_tokens_lens"], prompt, plens)
+    # lifeiteng's rule: EOS is the argmax, so every row stops at once (nothing to say).
+    _, lens = model.inference(*args, seed=0, on_empty="mark", return_lens=True)
+    assert lens.tolist() == [0, 0, 0, 0]
+    # Only when sampled: rows run for a while.
+    _, lens = model.inference(*args, seed=0, stop_rule="sampled", on_empty="mark",
+                              max_len_ratio=4, return_lens=True)  # fmt: skip
+    assert (lens > 0).sum() >= 3
+
+
+def test_one_empty_row_does_not_fail_the_batch():
+    model, b = tiny_model("valle", 1).eval(), make_batch()
+    prompt, plens = _prompt(b)
+    original = model._ar_logits
+    step = {"n": 0}
+
+    def eos_first_for_row_2(h):
+        logits = original(h)
+        if step["n"] == 0:
+            logits[2, NUM_AUDIO_TOKENS] = 1e4
+        step["n"] += 1
+        return logits
+
+    model._ar_logits = eos_first_for_row_2
+    args = (b["text_tokens"], b["text_tokens_lens"], prompt, plens)
+    codes, lens = model.inference(
+        *args, top_k=1, max_len_ratio=2, on_empty="mark", return_lens=True
+    )
+    assert lens[2] == 0 and bool((lens[[0, 1, 3]] > 0).all())
+    assert (codes[2] == NUM_AUDIO_TOKENS).all()
+    for r in (0, 1, 3):
+        assert (codes[r, : lens[r]] < NUM_AUDIO_TOKENS).all()
+    step["n"] = 0
+    with pytest.raises(ValueError, match=r"EOS as the first token for batch row\(s\) \[2\]"):
+        model.inference(*args, top_k=1, max_len_ratio=2)
+
+
+def test_best_of_n_keeps_the_most_likely_candidate():
+    model, b = tiny_model("valle", 1).eval(), make_batch()
+    prompt, plens = _prompt(b)
+    text, tlens = b["text_tokens"][:1, :7], b["text_tokens_lens"][:1]
+    p0, pl = prompt[:1, :6], plens[:1]
+    n, common = 4, dict(top_k=50, temperature=1.5, max_len_ratio=2.0, seed=3)
+    codes, lens = model.inference(text, tlens, p0, pl, num_candidates=n, return_lens=True, **common)
+    rep = lambda t: t.repeat_interleave(n, dim=0)  # noqa: E731
+    gen, glens, scores = model._ar_generate(
+        rep(text), rep(tlens), rep(p0[..., 0]), rep(pl), use_kv_cache=True, force_len=None,
+        want_scores=True, top_p=1.0, **common,
+    )  # fmt: skip
+    assert len({tuple(g[:k].tolist()) for g, k in zip(gen, glens)}) > 1  # candidates differ
+    best = int(scores.argmax())
+    assert int(lens[0]) == int(glens[best])
+    assert torch.equal(codes[0, :, 0], gen[best, : int(glens[best])])
+    # The score is the mean log-likelihood per frame, recomputed here by teacher forcing.
+    k = int(glens[best])
+    tokens = torch.cat([p0[0, :, 0], gen[best, :k]])[None]
+    valid = torch.ones_like(tokens, dtype=torch.bool)
+    x = model._ar_embed_text(text, torch.ones_like(text, dtype=torch.bool))
+    h = model._ar_core(x, torch.ones_like(text, dtype=torch.bool),
+                       model._ar_embed_audio(tokens, torch.arange(tokens.shape[1])), valid)  # fmt: skip
+    logp = torch.log_softmax(model._ar_logits(h[0, 5:]), dim=-1)  # predicts frames 6.. and after
+    targets = torch.cat([gen[best, :k], torch.tensor([NUM_AUDIO_TOKENS])])
+    stopped_on_eos = k < 14  # the cap is 2 x 7 text tokens
+    picked = logp[torch.arange(k + 1), targets][: k + int(stopped_on_eos)]
+    torch.testing.assert_close(scores[best], picked.mean(), rtol=1e-4, atol=1e-4)
+
+
+def test_repetition_aware_sampling_breaks_loops():
+    # A tied random AR head mostly repeats its input token: greedy decoding loops.
+    model, b = tiny_model("valle", 1, tie_ar_head=True).eval(), make_batch()
+    prompt, plens = _prompt(b)
+    args = (b["text_tokens"], b["text_tokens_lens"], prompt, plens)
+    plain = model.inference(*args, top_k=1, force_len=30)
+    ras = model.inference(*args, top_k=1, force_len=30, seed=0, repetition_aware=True)
+    for r in range(4):
+        assert len(torch.unique(plain[r, :, 0])) <= 3
+        assert len(torch.unique(ras[r, :, 0])) >= 10
+        counts = torch.bincount(ras[r, :, 0], minlength=NUM_AUDIO_TOKENS + 1)
+        assert int(counts.max()) <= 12  # no token keeps more than about 1 in 10 + the window
+
+
+def test_nar_text_drops_the_prompt_transcript_per_row():
+    model = tiny_model("valle", 4).eval()
+    text = torch.tensor([[1, 10, 11, 12, 20, 21, 2], [1, 13, 22, 23, 24, 2, 0]])
+    lens = torch.tensor([7, 6])
+    out, out_lens = model._nar_text(text, lens, torch.tensor([3, 1]))
+    assert out_lens.tolist() == [4, 5]
+    assert out[0, :4].tolist() == [1, 20, 21, 2] and out[1, :5].tolist() == [1, 22, 23, 24, 2]
+    with pytest.raises(ValueError, match="needs prompt_text_lens"):
+        model._nar_text(text, lens, None)
+    mode1 = tiny_model("valle", 1)
+    assert mode1._nar_text(text, lens, None)[0] is text  # mode 1: the whole text, as trained
+
+
+def test_position_layouts_are_a_permutation():
+    pos = torch.arange(5)
+    inter = SinePositionalEncoding(8, interleaved=True).encoding(pos)
+    concat = SinePositionalEncoding(8, interleaved=False).encoding(pos)
+    assert torch.equal(inter[:, 0::2], concat[:, :4]) and torch.equal(inter[:, 1::2], concat[:, 4:])
+    fixed = SinePositionalEncoding(8, learned_alpha=False)
+    assert not list(fixed.parameters()) and "alpha" in fixed.state_dict()
+
+
+@pytest.mark.parametrize("tie", ["lifeiteng", "same"])
+def test_nar_head_tying(tie):
+    model = tiny_model("valle", 1, nar_head_tie=tie)
+    h = torch.randn(Q - 1, 3, model.nar_dim)
+    stage = torch.arange(1, Q)
+    logits = model._nar_head(h, stage)
+    table = model.nar_audio_embedding[:, :NUM_AUDIO_TOKENS]
+    for j in range(1, Q):
+        if tie == "same":
+            w = table[j] * model.nar_dim**-0.5
+        else:
+            w = table[j + 1] if j < Q - 1 else model.nar_predict_last
+        torch.testing.assert_close(logits[j - 1], h[j - 1] @ w.T)
+    names = {n for n, _ in model.named_parameters()}
+    assert ("nar_predict_last" in names) == (tie == "lifeiteng")
+    assert "ar_predict_layer.weight" in names  # --share-embedding leaves the AR head untied
+    assert "ar_predict_layer.weight" not in {
+        n for n, _ in tiny_model(tie_ar_head=True).named_parameters()
+    }
+
+
+def test_bfloat16_decoding_runs_in_bfloat16():
+    model, b = tiny_model("valle", 1), make_batch()
+    model = model.to(torch.bfloat16).eval()
+    prompt, plens = _prompt(b)
+    codes, lens = model.inference(b["text_tokens"], b["text_tokens_lens"], prompt, plens,
+                                  top_k=1, force_len=8, return_lens=True)  # fmt: skip
+    assert codes.shape == (4, 8, Q) and (codes < NUM_AUDIO_TOKENS).all()
+    assert model.ar_text_embedding.weight.dtype == torch.bfloat16
