@@ -14,9 +14,12 @@ nproc=8
 dtype=bfloat16
 num_epochs=20
 max_duration=80
+# auto: from --max-duration and the corpus's text tokens per second (data/tokenized/
+# <dataset>_text_stats.json, written by bin/tokenizer.py); the trainer logs the number.
+max_text_tokens=auto
 exp_dir=exp/valle
 python=${PYTHON:-python}
-options="dataset recipe nproc dtype num_epochs max_duration exp_dir python"
+options="dataset recipe nproc dtype num_epochs max_duration max_text_tokens exp_dir python"
 . "$(dirname "${BASH_SOURCE[0]}")/parse_options.sh"
 
 [ -n "$dataset" ] || { echo "$0: --dataset is required" >&2; exit 1; }
@@ -26,6 +29,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 model=(--model-name valle --decoder-dim 1024 --nhead 16 --num-decoder-layers 12
        --prefix-mode 1 --share-embedding true --norm-first true --add-prenet false)
 train=(--manifest-dir data/tokenized --dataset "$dataset" --max-duration "$max_duration"
+       --max-text-tokens "$max_text_tokens"
        --filter-min-duration 0.5 --filter-max-duration 14 --num-buckets 6 --dtype "$dtype"
        --optimizer-name ScaledAdam --scheduler-name Eden --base-lr 0.05 --warmup-steps 200
        --average-period 0 --save-every-n 10000 --keep-last-k 20 --valid-interval 10000

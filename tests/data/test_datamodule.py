@@ -104,3 +104,30 @@ def test_filters_are_reported_and_empty_result_names_the_filter(tiny_data):
     n_train = len(CutSet.from_file(tiny_data / "tiny_cuts_train.jsonl.gz"))
     with pytest.raises(NoCutsLeftError, match=f"--filter-max-duration 0.5 removed all {n_train} cuts"):
         make_dm(tiny_data, "--filter-max-duration", "0.5").train_dataloader(0, 1)
+
+
+def test_text_budget_is_on_by_default_and_derived_from_the_corpus(tiny_data, tmp_path, caplog):
+    import json
+    import logging
+    import math
+
+    from valle.data.datamodule import DEFAULT_TEXT_TOKENS_PER_SECOND, TEXT_BUDGET_MARGIN
+
+    parser = argparse.ArgumentParser()
+    TtsDataModule.add_arguments(parser)
+    base = ["--dataset", "tiny", "--max-duration", "6", "--num-buckets", "2", "--num-workers", "0"]
+    rate = json.loads((tiny_data / "tiny_text_stats.json").read_text())["total"]["text_tokens_per_second_p99"]
+    with caplog.at_level(logging.INFO, logger="valle.data.datamodule"):
+        args = parser.parse_args(["--manifest-dir", str(tiny_data), *base])
+        args.seed = 0
+        dm = TtsDataModule(args)
+    budget = math.ceil(TEXT_BUDGET_MARGIN * rate * 6)
+    assert 10 < rate < 40 and dm.args.max_text_tokens == budget
+    assert f"--max-text-tokens {budget} = " in caplog.text and "tiny_text_stats.json" in caplog.text
+    for batch in dm.train_dataloader(0, 1):
+        assert batch["text_tokens"].numel() <= budget  # padded tokens, bos/eos included
+    # no statistics next to the manifests: the documented constant
+    args = parser.parse_args(["--manifest-dir", str(tmp_path), *base])
+    assert TtsDataModule(args).args.max_text_tokens == math.ceil(TEXT_BUDGET_MARGIN * DEFAULT_TEXT_TOKENS_PER_SECOND * 6)
+    assert TtsDataModule(parser.parse_args(["--max-text-tokens", "off", *base])).args.max_text_tokens is None
+    assert TtsDataModule(parser.parse_args(["--max-text-tokens", "77", *base])).args.max_text_tokens == 77

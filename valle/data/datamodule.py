@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,59 @@ logger = logging.getLogger(__name__)
 
 STATE_FORMAT = "valle-sampler-1"
 BUDGET = "exceeds_batch_budget"
+# --max-text-tokens auto = ceil(TEXT_BUDGET_MARGIN x rate x --max-duration), rate = the
+# corpus's 99th-percentile text tokens per second (bos/eos included) measured by
+# bin/tokenizer.py ({dataset}_text_stats.json), else DEFAULT_TEXT_TOKENS_PER_SECOND
+# (English read speech: ~12 phonemes/s + word boundaries and punctuation ~ 16/s; 25 covers
+# fast speakers and short cuts whose bos/eos weigh more).
+TEXT_BUDGET_MARGIN = 1.25
+DEFAULT_TEXT_TOKENS_PER_SECOND = 25.0
+
+
+def parse_max_text_tokens(v: str) -> int | str | None:
+    """``auto`` (default), a positive int, or ``off``/``none``/``0`` (no text budget)."""
+    if v.lower() == "auto":
+        return "auto"
+    if v.lower() in ("off", "none", "0"):
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--max-text-tokens: expected auto, off or an integer, got {v!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"--max-text-tokens must be >= 0, got {n}")
+    return n
+
+
+def text_tokens_rate(manifest_dir: Path, dataset: str) -> tuple[float, str]:
+    """(text tokens per second, where it came from) for the --max-text-tokens default."""
+    import json
+
+    path = Path(manifest_dir) / f"{dataset}_text_stats.json"
+    try:
+        rate = float(json.loads(path.read_text())["total"]["text_tokens_per_second_p99"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return DEFAULT_TEXT_TOKENS_PER_SECOND, f"the default {DEFAULT_TEXT_TOKENS_PER_SECOND:g}/s ({path} not found)"
+    if rate <= 0:
+        return DEFAULT_TEXT_TOKENS_PER_SECOND, f"the default {DEFAULT_TEXT_TOKENS_PER_SECOND:g}/s ({path} is empty)"
+    return rate, f"p99 of {path.name}"
+
+
+def resolve_max_text_tokens(args: argparse.Namespace) -> int | None:
+    """Turn ``--max-text-tokens auto`` into a number (stored back into ``args``) and log it."""
+    value = getattr(args, "max_text_tokens", "auto")
+    if value == "auto":
+        rate, source = text_tokens_rate(args.manifest_dir, args.dataset)
+        value = math.ceil(TEXT_BUDGET_MARGIN * rate * args.max_duration)
+        logger.info("--max-text-tokens %d = %g x %.1f text tokens/s (%s) x --max-duration %g",
+                    value, TEXT_BUDGET_MARGIN, rate, source, args.max_duration)
+    elif value is None:
+        logger.warning("--max-text-tokens off: batches count audio seconds only (text that "
+                       "phonemizes into long sequences is not bounded)")
+    else:
+        logger.info("--max-text-tokens %d", value)
+    args.max_text_tokens = value
+    return value
 
 
 def _str2bool(v: str) -> bool:
@@ -90,6 +144,8 @@ class TtsDataModule:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        if getattr(args, "max_text_tokens", None) == "auto":
+            resolve_max_text_tokens(args)
         self.filter_report = V.ValidationReport()
         self._train_loader: ResumableLoader | None = None
 
@@ -103,7 +159,9 @@ class TtsDataModule:
         g.add_argument("--text-tokens", type=Path, default=None,
                        help="symbol table (default: {manifest-dir}/unique_text_tokens.k2symbols)")
         g.add_argument("--max-duration", type=float, default=40.0, help="seconds of audio per batch (padded)")
-        g.add_argument("--max-text-tokens", type=int, default=None, help="text tokens per batch (padded)")
+        g.add_argument("--max-text-tokens", type=parse_max_text_tokens, default="auto",
+                       help="padded text tokens per batch: auto (default: from --max-duration and the "
+                            "corpus's text tokens per second, see docs/data.md), N, or off")
         g.add_argument("--filter-min-duration", type=float, default=0.0)
         g.add_argument("--filter-max-duration", type=float, default=20.0)
         g.add_argument("--num-buckets", type=int, default=10)

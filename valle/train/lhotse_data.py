@@ -33,6 +33,8 @@ class LhotseTrainData:
         self.cfg = cfg
         self.ctx = ctx
         self.module = TtsDataModule(argparse.Namespace(**cfg.args))
+        # "auto" is resolved (and logged) by the data module; checkpoints keep the number.
+        cfg.args["max_text_tokens"] = self.module.args.max_text_tokens
         # Checkpoints carry the resolved symbol table path: bin/infer.py reads it from there.
         cfg.args["text_tokens"] = str(self.module.text_tokens_path().resolve())
         self.train: ResumableLoader = self.module.train_dataloader(ctx.rank, ctx.world_size)
