@@ -1,0 +1,212 @@
+"""valle.infer in-process with a fake codec: batches with a failing row, languages, prompts,
+sentences, flags, checkpoint selection, lifeiteng checkpoints end to end."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+from models_testlib import tiny_model
+
+from valle.infer import (
+    Failure,
+    InputError,
+    Item,
+    Synthesizer,
+    build_parser,
+    load_model,
+    main,
+    read_items,
+    select_checkpoint,
+    split_sentences,
+    synthesize_items,
+)
+from valle.models import NUM_AUDIO_TOKENS
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "lifeiteng"
+TEXTS = [
+    "the dog",
+    "a fox",
+    "the quick fox",
+    "dog",
+    "a brown dog",
+    "the fox jumps",
+    "jumps",
+    "quick",
+]
+
+
+class FakeCodec:
+    """75 frames per second of audio; codes from the samples; decode gives 320 samples a frame."""
+
+    def encode(self, wav):
+        frames = max(1, wav.shape[-1] // 320)
+        return torch.arange(frames * 8).reshape(1, 8, frames) * 37 % NUM_AUDIO_TOKENS
+
+    def decode(self, codes):  # (1, Q, T)
+        return torch.full((1, 1, codes.shape[-1] * 320), 0.1)
+
+
+def _phonemes(texts, language="en-us"):
+    from valle.data.text import TextTokenizer
+
+    return {s for t in texts for s in TextTokenizer(language=language)([t])[0]}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    sf = pytest.importorskip("soundfile")
+    import numpy as np
+
+    from valle.data.symbols import SymbolTable
+    from valle.data.text import WORD_SEP
+
+    tmp = tmp_path_factory.mktemp("synth")
+    symbols = _phonemes(TEXTS + ["the dog. a fox!"]) | _phonemes(["你好"], "cmn") | {WORD_SEP}
+    table = tmp / "unique_text_tokens.k2symbols"
+    SymbolTable.from_symbols(sorted(symbols)).to_file(table)
+    prompt = tmp / "prompt.wav"
+    sf.write(
+        str(prompt), np.random.default_rng(0).uniform(-0.3, 0.3, 4800).astype(np.float32), 24000
+    )
+    return tmp, table, prompt
+
+
+def _args(tmp: Path, **over) -> argparse.Namespace:
+    argv = ["--checkpoint", "x", "--output-dir", str(tmp), "--top-k", "1", "--max-len-ratio", "1"]
+    for k, v in over.items():
+        argv += [k] if v is True else [k, str(v)]
+    return build_parser().parse_args(argv)
+
+
+def test_batch_of_8_with_one_degenerate_row(setup, tmp_path):
+    _, table, prompt = setup
+    model = tiny_model("valle", 1).eval()
+    original, step = model._ar_logits, {"n": 0}
+
+    def eos_first_for_row_5(h):
+        logits = original(h)
+        if step["n"] == 0:
+            logits[5, NUM_AUDIO_TOKENS] = 1e4  # row 5 says EOS at once
+        step["n"] += 1
+        return logits
+
+    model._ar_logits = eos_first_for_row_5
+    synth = Synthesizer(model, table, FakeCodec(), "cpu")
+    items = [
+        Item("the dog", str(prompt), t, tmp_path / f"{i}.wav", f"item {i}")
+        for i, t in enumerate(TEXTS)
+    ]
+    result = synthesize_items(synth, items, _args(tmp_path, **{"--batch-size": 8}))
+    assert step["n"] > 1  # one batch of 8 decoded together
+    assert result.failures == [Failure("item 5", result.failures[0].reason)]
+    assert "EOS as its first token" in result.failures[0].reason
+    assert sorted(p.name for p in result.written) == [f"{i}.wav" for i in range(8) if i != 5]
+    assert not (tmp_path / "5.wav").exists()
+
+
+def test_prompt_and_text_are_phonemized_in_their_own_languages(setup):
+    from valle.data.text import WORD_SEP, TextTokenizer
+
+    _, table, prompt = setup
+    model = tiny_model("valle", 4).eval()
+    synth = Synthesizer(model, table, FakeCodec(), "cpu", language="cmn", prompt_language="en-us")
+    item = Item("the dog", str(prompt), "你好", Path("x.wav"), "item 0")
+    tokens, lens, prompt_lens = synth._text_tokens([item], continual=False)
+    en = TextTokenizer()(["the dog"], language="en-us")[0]
+    cmn = TextTokenizer()(["你好"], language="cmn")[0]
+    ids = [synth.collater.symbol_table.get(s) for s in en + [WORD_SEP] + cmn]
+    assert tokens[0].tolist() == [synth.collater.bos_id, *ids, synth.collater.eos_id]
+    assert prompt_lens.tolist() == [len(en) + 1]
+    # One language for both: the Mandarin text in English espeak gives other symbols.
+    with pytest.raises(InputError, match="unknown text symbol"):
+        Synthesizer(model, table, FakeCodec(), "cpu", language="en-us")._text_tokens([item], False)
+
+
+def test_long_text_is_split_into_sentences_and_joined(setup, tmp_path):
+    import soundfile as sf
+
+    _, table, prompt = setup
+    assert split_sentences("The dog.  A fox! Quick") == ["The dog.", "A fox!", "Quick"]
+    assert split_sentences("你好。你好") == ["你好。", "你好"]
+    model = tiny_model("valle", 1).eval()
+    synth = Synthesizer(model, table, FakeCodec(), "cpu")
+    item = Item("the dog", str(prompt), "the dog. a fox!", tmp_path / "long.wav", "item 0")
+    args = _args(tmp_path, **{"--split-sentences": True, "--sentence-gap": 0.5})
+    assert synthesize_items(synth, [item], args).written == [tmp_path / "long.wav"]
+    wav, _ = sf.read(str(tmp_path / "long.wav"))
+    # Each sentence runs to the cap (1 frame per text token: its phonemes + prompt + bos/eos).
+    ids = synth._text_tokens([Item("the dog", "", "the dog.", Path(), ""),
+                              Item("the dog", "", "a fox!", Path(), "")], False)[1]  # fmt: skip
+    assert wav.shape == (int(ids.sum()) * 320 + 12000,)
+
+
+def test_read_items_prompt_join_and_messages(setup):
+    tmp, _, prompt = setup
+    args = _args(
+        tmp, **{"--text-prompts": "a|b", "--audio-prompts": "p1.wav|p2.wav", "--text": "x|y"}
+    )
+    items = read_items(args)  # lifeiteng: one prompt made of both, used for each text
+    assert [(i.prompt_text, i.prompt_wavs, i.text) for i in items] == [
+        ("a b", ["p1.wav", "p2.wav"], "x"), ("a b", ["p1.wav", "p2.wav"], "y")]  # fmt: skip
+    args.prompt_join = "pair"
+    assert [(i.prompt_text, i.prompt_wavs) for i in read_items(args)] == [
+        ("a", ["p1.wav"]),
+        ("b", ["p2.wav"]),
+    ]
+    for over, message in [
+        ({"--audio-prompts": "p.wav", "--text": "x"}, "--text-prompts is required"),
+        ({"--audio-prompts": "p.wav", "--text-prompts": "a", "--continual": True, "--text": "x"}, "leave out --text"),
+        ({"--audio-prompts": "p.wav", "--text-prompts": "a"}, "--text is required"),
+        ({"--audio-prompts": "p1.wav|p2.wav", "--text-prompts": "a", "--text": "x"}, "one transcript per prompt"),
+    ]:  # fmt: skip
+        with pytest.raises(InputError, match=message):
+            read_items(_args(tmp, **over))
+    assert read_items(_args(tmp, **{"--audio-prompts": "p.wav", "--text-prompts": "a",
+                                    "--continual": "true"}))[0].text == ""  # fmt: skip
+
+
+def test_concatenated_prompts_are_joined_in_time(setup):
+    _, table, prompt = setup
+    synth = Synthesizer(tiny_model("valle", 1).eval(), table, FakeCodec(), "cpu")
+    codes, lens = synth._prompt_codes(
+        [Item("a b", [str(prompt), str(prompt)], "x", Path(), "item 0")]
+    )
+    assert lens.tolist() == [30] and torch.equal(codes[0, :15], codes[0, 15:])  # 2 x 15 frames
+
+
+def test_checkpoint_dir_picks_best_validation(tmp_path):
+    (tmp_path / "epoch-1.pt").write_bytes(b"")
+    assert select_checkpoint(tmp_path) == tmp_path / "epoch-1.pt"
+    (tmp_path / "best-valid-loss.pt").write_bytes(b"")
+    assert select_checkpoint(tmp_path) == tmp_path / "best-valid-loss.pt"
+    assert select_checkpoint(tmp_path / "epoch-1.pt") == tmp_path / "epoch-1.pt"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="without best-valid-loss.pt or epoch"):
+        select_checkpoint(tmp_path / "empty")
+
+
+def test_bad_checkpoints_get_one_line(tmp_path, capsys):
+    torch.save({"model": {"w": torch.zeros(1)}}, tmp_path / "plain.pt")
+    assert main(["--checkpoint", str(tmp_path / "plain.pt"), "--text-prompts", "a",
+                 "--audio-prompts", "p.wav", "--text", "b"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "plain.pt: no 'config'" in err
+
+
+def test_lifeiteng_checkpoint_synthesises(setup, tmp_path, monkeypatch):
+    _, table, prompt = setup
+    model, config = load_model(FIXTURE / "lifeiteng_tiny.pt", dtype=torch.bfloat16)
+    assert (
+        config["source_format"] == "lifeiteng"
+        and model.ar_text_embedding.weight.dtype == torch.bfloat16
+    )
+    import valle.data.audio as audio
+
+    monkeypatch.setattr(audio, "AudioTokenizer", lambda *a, **k: FakeCodec())
+    rc = main(["--checkpoint", str(FIXTURE / "lifeiteng_tiny.pt"), "--text-tokens", str(table),
+               "--text-prompts", "the dog", "--audio-prompts", str(prompt), "--text", "a fox",
+               "--output-dir", str(tmp_path), "--top-k", "1", "--device", "cpu", "--dtype", "bfloat16"])  # fmt: skip
+    assert rc == 0 and (tmp_path / "0.wav").is_file()
