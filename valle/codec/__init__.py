@@ -1,0 +1,130 @@
+"""Audio codecs behind one interface, and how a corpus records which one it was tokenized with.
+
+``encodec`` is ``valle.data.audio.AudioTokenizer`` (pretrained weights; never downloaded).
+``mel-rvq`` is ``valle.codec.mel_rvq.MelRvqCodec`` (fitted on the corpus itself, no weights).
+Both give 8 codebooks x 1024 codes at 75 frames/s from 24 kHz audio.
+
+Where the codec is recorded: ``bin/tokenizer.py`` writes ``audio_codec.json`` into its output
+directory (the manifest dir), next to the fitted state (``mel_rvq.pt``). The trainer copies
+``--manifest-dir`` and the absolute ``text_tokens`` path (which lives in that directory) into
+every checkpoint's ``config``, so ``codec_for_checkpoint`` finds the record from a checkpoint
+alone and inference decodes with the codec the model was trained on.
+
+Nothing heavy is imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CODECS = ("encodec", "mel-rvq")
+RECORD_FILE = "audio_codec.json"
+
+
+def encodec_weights_present(checkpoint: str | os.PathLike | None = None) -> bool:
+    from valle.data.audio import hub_checkpoint_path
+
+    return (checkpoint is not None and Path(checkpoint).is_file()) or hub_checkpoint_path().is_file()
+
+
+def resolve_codec_name(codec: str, encodec_checkpoint: str | os.PathLike | None = None) -> str:
+    """``auto``: EnCodec where its weights are present, else the offline mel-rvq codec."""
+    if codec == "auto":
+        return "encodec" if encodec_weights_present(encodec_checkpoint) else "mel-rvq"
+    if codec not in CODECS:
+        raise ValueError(f"--codec {codec!r}: choose one of {', '.join(CODECS)} or auto")
+    return codec
+
+
+def make_audio_tokenizer(codec: str, state_dir: str | os.PathLike | None = None, device: str = "cpu",
+                         encodec_checkpoint: str | None = None, allow_random_encodec: bool = False,
+                         seed: int = 0):
+    """The tokenizer for ``codec``. mel-rvq loads ``{state_dir}/mel_rvq.pt`` (fit it first:
+    ``python -m valle.codec fit``); encodec behaves as ``AudioTokenizer`` always did."""
+    codec = resolve_codec_name(codec, encodec_checkpoint)
+    if codec == "mel-rvq":
+        from valle.codec.mel_rvq import STATE_FILE, MelRvqCodec
+
+        if state_dir is None:
+            raise ValueError("--codec mel-rvq needs the directory holding mel_rvq.pt")
+        return MelRvqCodec.load(Path(state_dir) / STATE_FILE, device=device)
+    from valle.data.audio import AudioTokenizer
+
+    return AudioTokenizer(device, encodec_checkpoint, allow_random_encodec, seed)
+
+
+def write_codec_record(directory: str | os.PathLike, tokenizer) -> Path:
+    """Write ``audio_codec.json`` naming the codec (and its state file) into ``directory``."""
+    from valle.codec.mel_rvq import STATE_FILE
+
+    name = getattr(tokenizer, "name", "encodec")
+    record: dict[str, Any] = {"codec": name}
+    if name == "mel-rvq":
+        record["state"] = STATE_FILE
+    else:
+        record["random_weights"] = bool(getattr(tokenizer, "random_weights", False))
+    path = Path(directory) / RECORD_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def read_codec_record(directory: str | os.PathLike) -> dict | None:
+    path = Path(directory) / RECORD_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable codec record: {e}") from e
+    if record.get("codec") not in CODECS:
+        raise ValueError(f"{path}: unknown codec {record.get('codec')!r}")
+    return record
+
+
+def record_dirs_from_config(config: dict) -> list[Path]:
+    """Directories that may hold the corpus's codec record, most specific first: the checkpoint's
+    ``manifest_dir`` (as given, relative to the working directory) and the directory of its
+    absolute ``text_tokens`` path (which bin/tokenizer.py writes into the manifest dir)."""
+    dirs = []
+    if config.get("manifest_dir"):
+        dirs.append(Path(config["manifest_dir"]))
+    if config.get("text_tokens"):
+        dirs.append(Path(config["text_tokens"]).parent)
+    return dirs
+
+
+def find_codec_record(config: dict) -> tuple[dict, Path] | None:
+    for d in record_dirs_from_config(config):
+        record = read_codec_record(d)
+        if record is not None:
+            return record, d
+    return None
+
+
+def codec_for_checkpoint(config: dict, device: str = "cpu", encodec_checkpoint: str | None = None,
+                         allow_random_encodec: bool = False, codec: str | None = None,
+                         codec_dir: str | os.PathLike | None = None):
+    """The audio tokenizer a checkpoint was trained with. ``codec``/``codec_dir`` override the
+    record (e.g. a corpus moved elsewhere); without a record the codec is EnCodec, as before."""
+    if codec_dir is not None:
+        record = read_codec_record(codec_dir) or {"codec": codec or "mel-rvq"}
+        where: Path | None = Path(codec_dir)
+    else:
+        found = find_codec_record(config)
+        record, where = found if found else ({"codec": "encodec"}, None)
+    name = codec or record["codec"]
+    if name == "mel-rvq" and where is None:
+        raise FileNotFoundError(
+            f"the checkpoint's corpus ({', '.join(map(str, record_dirs_from_config(config))) or 'no manifest_dir'}) "
+            f"has no {RECORD_FILE}: pass --codec-dir DIR holding mel_rvq.pt")
+    logger.info("audio codec: %s%s", name, f" (from {where})" if where else "")
+    return make_audio_tokenizer(name, where, device, encodec_checkpoint, allow_random_encodec)
