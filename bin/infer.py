@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Zero-shot TTS from a checkpoint. See ``valle/infer.py`` and ``--help``.
+"""Zero-shot TTS from a checkpoint (ours or lifeiteng/vall-e's). Every flag: docs/inference.md.
 
 Example:
-    python bin/infer.py --checkpoint exp/valle/checkpoint-20000.pt \
+    python bin/infer.py --checkpoint exp/valle \
         --text-prompts "the prompt's words" --audio-prompts prompt.wav \
         --text "what to say" --output-dir infer/demo
+(an exp dir means its best-valid-loss.pt)
 """
 
 import sys
