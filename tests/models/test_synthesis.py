@@ -210,3 +210,9 @@ def test_lifeiteng_checkpoint_synthesises(setup, tmp_path, monkeypatch):
                "--text-prompts", "the dog", "--audio-prompts", str(prompt), "--text", "a fox",
                "--output-dir", str(tmp_path), "--top-k", "1", "--device", "cpu", "--dtype", "bfloat16"])  # fmt: skip
     assert rc == 0 and (tmp_path / "0.wav").is_file()
+
+
+def test_docs_show_every_flag():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "inference.md").read_text()
+    flags = {f for a in build_parser()._actions for f in a.option_strings if f.startswith("--")}
+    assert sorted(f for f in flags - {"--help"} if f"`{f}`" not in doc) == []
