@@ -53,6 +53,9 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--language", default="en-us",
                    help="espeak voice for supervisions without a language (names, ISO 639-1/3 work too)")
     p.add_argument("--audio-extractor", default="Encodec", choices=["Encodec"])
+    p.add_argument("--codec", default="encodec", choices=["encodec", "mel-rvq", "auto"],
+                   help="mel-rvq: the offline codec fitted on the corpus ({output-dir}/mel_rvq.pt, "
+                        "python -m valle.codec fit); auto: encodec where its weights are present")
     p.add_argument("--encodec-checkpoint", default=None,
                    help="EnCodec 24 kHz state dict (default: the torch hub cache, downloaded with a "
                         "hash check when missing and the network is there)")
@@ -124,7 +127,17 @@ def run(args) -> int:
                 raise ManifestError(f"part {part!r}: missing manifest {path} (check --src-dir/--prefix/--suffix)")
         todo.append(part)
     device = resolve_device(args.device)
-    if todo:
+    if args.codec != "encodec":  # the codec factory (valle.codec); EnCodec keeps its own path below
+        from valle.codec import encodec_weights_present
+
+        if args.codec == "mel-rvq" or not encodec_weights_present(args.encodec_checkpoint):
+            args.codec = "mel-rvq"
+    if todo and args.codec == "mel-rvq":
+        from valle.codec import make_audio_tokenizer
+
+        codec = make_audio_tokenizer("mel-rvq", args.output_dir, device="cpu")
+        runner = PartTokenizer(opts, codec, TextTokenizer(language=default_voice), fixed_table)
+    elif todo:
         weights = resolve_encodec_weights(args.encodec_checkpoint, args.allow_random_encodec,
                                           args.download_encodec)
         if device.type == "cpu":
@@ -135,6 +148,10 @@ def run(args) -> int:
                                download=False)
         runner = PartTokenizer(opts, codec, TextTokenizer(language=default_voice), fixed_table)
     args.output_dir.mkdir(parents=True, exist_ok=True)
+    if todo:  # which codec made the codes: inference finds it through the checkpoint's manifest dir
+        from valle.codec import write_codec_record
+
+        write_codec_record(args.output_dir, codec)
     totals = V.ValidationReport()
     for part in todo:
         t0 = time.time()

@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # Tiny multi-speaker corpus, synthesised locally with eSpeak NG (no network), tokenized.
 #   egs/tiny/prepare.sh [--stage 0] [--stop-stage 3] [--python python] [--data-dir data/tiny]
-# EnCodec runs with RANDOM weights unless --encodec-checkpoint is given (or the torch hub
-# cache holds encodec_24khz-d7cc33bc.th): the codes exercise the pipeline, they are not speech.
+#                       [--layout split|heldout] [--codec encodec|mel-rvq|auto] [--judge-epochs 30]
+# --layout split (default): 4 voices, every part split per speaker (the tests' corpus).
+# --layout heldout: dev/test sentences never trained on, and test in 2 voices never trained on
+#   (egs/tiny/local/heldout_corpus.py); stage 3 then trains the phoneme judge (valle/eval/judge.py)
+#   on the training part's ground truth -> tokenized/judge.pt.
+# --codec encodec: RANDOM weights unless --encodec-checkpoint is given (or the torch hub cache
+#   holds encodec_24khz-d7cc33bc.th): the codes exercise the pipeline, they are not speech.
+# --codec mel-rvq: the offline codec, fitted on the training part (tokenized/mel_rvq.pt).
+# --codec auto: EnCodec where its weights are present, else mel-rvq.
 set -euo pipefail
 
 stage=0
@@ -12,41 +19,76 @@ data_dir=data/tiny
 num_jobs=1
 encodec_checkpoint=""
 limit=""
+layout=split
+codec=encodec
+judge_epochs=30
+voices_per_sentence=1
 
-options="stage stop_stage python data_dir num_jobs encodec_checkpoint limit"
+options="stage stop_stage python data_dir num_jobs encodec_checkpoint limit layout codec judge_epochs voices_per_sentence"
 . "$(dirname "${BASH_SOURCE[0]}")/../parse_options.sh"
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 log() { echo "$(date '+%F %T') [tiny stage $1] ${*:2}"; }
+case "$layout" in split|heldout) ;; *) echo "$0: --layout must be split or heldout" >&2; exit 1 ;; esac
+if [ "$codec" = auto ]; then
+  codec=$("$python" -c "import sys; from valle.codec import resolve_codec_name; print(resolve_codec_name('auto', sys.argv[1] or None))" "$encodec_checkpoint")
+  log - "--codec auto: $codec"
+fi
+if [ "$layout" = heldout ]; then parts="train dev test"; else parts="all"; fi
 
 if [ "$stage" -le 0 ] && [ "$stop_stage" -ge 0 ]; then
-  log 0 "synthesise the corpus with eSpeak NG -> $data_dir/corpus"
-  "$python" -m valle.data.tiny synth --sentences "$here/sentences.txt" --out-dir "$data_dir/corpus" \
-    ${limit:+--limit "$limit"}
+  log 0 "synthesise the corpus with eSpeak NG ($layout layout) -> $data_dir/corpus"
+  if [ "$layout" = heldout ]; then
+    "$python" "$here/local/heldout_corpus.py" synth --sentences "$here/sentences.txt" \
+      --out-dir "$data_dir/corpus" --voices-per-sentence "$voices_per_sentence" ${limit:+--limit "$limit"}
+  else
+    "$python" -m valle.data.tiny synth --sentences "$here/sentences.txt" --out-dir "$data_dir/corpus" \
+      ${limit:+--limit "$limit"}
+  fi
 fi
 
 if [ "$stage" -le 1 ] && [ "$stop_stage" -ge 1 ]; then
   log 1 "lhotse manifests -> $data_dir/manifests"
-  "$python" -m valle.data.tiny manifests --corpus-dir "$data_dir/corpus" --output-dir "$data_dir/manifests"
+  if [ "$layout" = heldout ]; then
+    "$python" "$here/local/heldout_corpus.py" manifests --corpus-dir "$data_dir/corpus" \
+      --output-dir "$data_dir/manifests"
+  else
+    "$python" -m valle.data.tiny manifests --corpus-dir "$data_dir/corpus" --output-dir "$data_dir/manifests"
+  fi
 fi
 
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
-  if [ -n "$encodec_checkpoint" ]; then
+  if [ "$codec" = mel-rvq ]; then
+    if [ ! -f "$data_dir/tokenized/mel_rvq.pt" ]; then
+      train_part=train; [ "$layout" = heldout ] || train_part=all
+      log 2 "fit the offline mel-rvq codec on the $train_part part -> $data_dir/tokenized/mel_rvq.pt"
+      "$python" -m valle.codec fit --recordings "$data_dir/manifests/tiny_recordings_$train_part.jsonl.gz" \
+        --output-dir "$data_dir/tokenized"
+    fi
+    audio_flags=(--codec mel-rvq)
+  elif [ -n "$encodec_checkpoint" ]; then
     audio_flags=(--encodec-checkpoint "$encodec_checkpoint")
   else
     log 2 "no --encodec-checkpoint: EnCodec uses RANDOM weights (--allow-random-encodec)"
     audio_flags=(--allow-random-encodec)
   fi
-  log 2 "tokenize (phonemes + EnCodec codes) -> $data_dir/tokenized"
+  log 2 "tokenize (phonemes + $codec codes) -> $data_dir/tokenized"
   "$python" "$root/bin/tokenizer.py" --src-dir "$data_dir/manifests" --output-dir "$data_dir/tokenized" \
-    --prefix tiny --dataset-parts all --suffix jsonl.gz --num-jobs "$num_jobs" "${audio_flags[@]}"
+    --prefix tiny --dataset-parts "$parts" --suffix jsonl.gz --num-jobs "$num_jobs" "${audio_flags[@]}"
 fi
 
 if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
-  log 3 "split train/dev/test per speaker"
-  "$python" -m valle.data.tiny split --cuts "$data_dir/tokenized/tiny_cuts_all.jsonl.gz" \
-    --output-dir "$data_dir/tokenized" --prefix tiny
+  if [ "$layout" = heldout ]; then
+    log 3 "train the phoneme judge on the training part's ground truth -> $data_dir/tokenized/judge.pt"
+    "$python" -m valle.eval.judge train --cuts "$data_dir/tokenized/tiny_cuts_train.jsonl.gz" \
+      --valid-cuts "$data_dir/tokenized/tiny_cuts_test.jsonl.gz" --epochs "$judge_epochs" \
+      --output "$data_dir/tokenized/judge.pt"
+  else
+    log 3 "split train/dev/test per speaker"
+    "$python" -m valle.data.tiny split --cuts "$data_dir/tokenized/tiny_cuts_all.jsonl.gz" \
+      --output-dir "$data_dir/tokenized" --prefix tiny
+  fi
   ls -l "$data_dir/tokenized"
 fi
