@@ -495,8 +495,6 @@ def synthesize_items(synth: Synthesizer, items: list[Item], args: argparse.Names
 
 
 def run(args: argparse.Namespace) -> RunResult:
-    from valle.data.audio import AudioTokenizer
-
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     items = read_items(args)
     decode_options(args)  # validate before loading anything
@@ -505,12 +503,11 @@ def run(args: argparse.Namespace) -> RunResult:
     table = args.text_tokens or config.get("text_tokens")
     if not table:
         raise InputError("the checkpoint names no text_tokens symbol table: pass --text-tokens")
-    try:
-        audio_tokenizer = AudioTokenizer(
-            device,
-            checkpoint=args.encodec_checkpoint,
-            allow_random_weights=args.allow_random_encodec,
-        )
+    try:  # the codec the checkpoint's corpus was tokenized with (valle/codec: EnCodec or mel-rvq)
+        from valle.codec import codec_for_checkpoint
+
+        audio_tokenizer = codec_for_checkpoint(config, device, args.encodec_checkpoint,
+                                               args.allow_random_encodec)
     except FileNotFoundError as e:
         raise InputError(str(e)) from e
     synth = Synthesizer(model, table, audio_tokenizer, device, language=args.language,

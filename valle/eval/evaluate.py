@@ -108,10 +108,11 @@ def read_rows_tsv(path: Path, out_dir: Path | None) -> list[Row]:
 
 def rows_from_infer_flags(args: argparse.Namespace) -> list[Row]:
     """The rows bin/infer.py wrote for the same --text/--text-prompts/--audio-prompts/--output-dir."""
-    from valle.infer import InputError, read_items
+    from valle.infer import InputError, build_parser, read_items
 
-    ns = argparse.Namespace(tsv=None, output_dir=args.output_dir, text_prompts=args.text_prompts,
-                            audio_prompts=args.audio_prompts, text=args.text, continual=False)
+    ns = build_parser().parse_args(["--checkpoint", "unused"])  # bin/infer.py's defaults
+    ns.tsv, ns.output_dir, ns.continual = None, args.output_dir, False
+    ns.text_prompts, ns.audio_prompts, ns.text = args.text_prompts, args.audio_prompts, args.text
     try:
         items = read_items(ns)
     except InputError as e:
