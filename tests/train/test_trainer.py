@@ -110,7 +110,11 @@ def test_cut_that_always_fails_ends_in_quarantine_and_stays_skipped(tmp_path):
     results = values(run_world(train_worker, 2, args, timeout=120))
     lines = [json.loads(x) for x in (exp / "quarantine.jsonl").read_text().splitlines()]
     assert [q["cut_id"] for q in lines] == ["syn-00005"]
-    assert "backward" in lines[0]["reason"] and lines[0]["step"] >= 0
+    assert "backward" in lines[0]["reason"]
+    events = [json.loads(x) for f in (exp / "oom").glob("events-rank*.jsonl")
+              for x in f.read_text().splitlines()]
+    lone = [e for e in events if e["cut_ids"] == ["syn-00005"]]
+    assert len(lone) == 2 and {e["step"] for e in lone} == {lines[0]["step"]}  # retried once
     first, second = results[0]["summary"]["epochs"]
     assert first["cuts_quarantined"] == 1 and first["balanced"]
     assert first["cuts_trained"] == 15
@@ -136,6 +140,8 @@ def test_ddp_mode_recovers_forward_ooms(tmp_path):
                 "--check-consistency-every", "1", "--max-steps", "3")
     results = values(run_world(train_worker, 2, args, timeout=120))
     assert all(r["ok"] and r["summary"]["steps"] == 3 for r in results)
+    assert [r["summary"]["epochs"][0]["oom_events"] for r in results] == [1, 1]  # global count
+    assert results[0]["summary"]["epochs"][0]["cuts_trained"] == 24  # the OOM step was retried
 
 
 def test_ddp_mode_backward_oom_fails_fast_with_a_clear_error(tmp_path):
@@ -164,18 +170,21 @@ def test_a_batch_left_empty_by_quarantine_does_not_end_the_epoch(tmp_path):
     assert first["steps"] == second["steps"] == 6
     assert first["cuts_trained"] == second["cuts_trained"] == 5
     assert first["cuts_quarantined"] == second["cuts_quarantined"] == 1
-    assert first["oom_events"] == 1 and second["oom_events"] == 0
+    # a lone cut is retried once before it is quarantined: two OOM events
+    assert first["oom_events"] == 2 and second["oom_events"] == 0
 
 
 def test_unrepairable_state_exits_with_its_own_code(tmp_path):
-    """One rank, OOM in the optimizer step: no healthy rank to copy from -> exit 10, clear message."""
+    """One rank, an optimizer OOM with no local retry left (--update-retries 0): no healthy
+    rank to copy from -> exit 10, clear message."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, str(root / "bin/trainer.py"),
-                           *argv(tmp_path / "exp", "--inject-fault", "optimizer@1", "--max-steps", "3")],
+                           *argv(tmp_path / "exp", "--inject-fault", "optimizer@1", "--update-retries", "0",
+                                 "--max-steps", "3")],
                           capture_output=True, text=True, timeout=120,
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 10, proc.stderr[-2000:]
@@ -189,7 +198,9 @@ def test_accumulate_grad_steps_equals_one_larger_batch(tmp_path):
     assert acc.steps == big.steps == 3
     assert_same_params(acc.model_state, big.model_state, rtol=1e-4, atol=1e-5)
     full = run_local(tmp_path / "full", cuts=16, batch=8)
-    assert full.epochs[0]["train_loss"] < 100 and (tmp_path / "full" / "best-train-loss.pt").exists()
+    best = load_checkpoint(tmp_path / "full" / "best-train-loss.pt")
+    assert math.isfinite(full.epochs[0]["train_loss"]) and best["step"] == full.steps == 2
+    assert_same_params(best["model"], full.model_state, rtol=0, atol=0)
 
 
 def test_pessimistic_scan_names_the_flag_to_lower(tmp_path, caplog):
@@ -211,8 +222,9 @@ def test_adamw_with_clipping_and_cosine_schedule_trains(tmp_path):
     summary = run_local(tmp_path / "exp", "--optimizer-name", "AdamW", "--scheduler-name", "Cosine",
                         "--grad-clip", "0.5", "--base-lr", "0.002", "--warmup-steps", "2",
                         "--max-steps", "6", cuts=48)
-    first, last = summary.epochs[0]["train_loss"], summary.final_loss
-    assert summary.steps == 6 and math.isfinite(last) and last < first + 1.0
+    mean, last = summary.epochs[0]["train_loss"], summary.final_loss
+    # the last step's loss is below the epoch's mean: the loss fell while training
+    assert summary.steps == 6 and math.isfinite(last) and last < mean - 0.05, (last, mean)
     assert all(torch.isfinite(t).all() for t in summary.model_state.values())
 
 

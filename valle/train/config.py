@@ -57,7 +57,11 @@ class TrainConfig:
     oom_check: bool = True
     backward_reserve_mb: int = -1  # -1: 1024 on CUDA when the NAR is trained, else 0
     save_oom_batches: int = 3
-    memory_snapshot: bool = False
+    oom_snapshot: bool = False
+    max_quarantined_cuts: int = 100
+    max_fitted_before_quarantines: int = 3
+    update_retries: int = 2
+    count_allocations: str = ""  # the sweep's dry run: write the per-step census here
     inject_fault: list[FaultSpec] = field(default_factory=list)
     inject_fault_real: bool = False
     check_consistency_every: int = 0
@@ -119,10 +123,21 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                    help="contiguous block held through the NAR forward (-1: 1024 on CUDA when the "
                         "NAR is trained; 0 disables)")
     r.add_argument("--save-oom-batches", type=int, default=3)
-    r.add_argument("--memory-snapshot", type=str2bool, default=False,
-                   help="record CUDA allocator history and dump a snapshot at each OOM")
+    r.add_argument("--oom-snapshot", "--memory-snapshot", dest="oom_snapshot", type=str2bool,
+                   default=False, help="record CUDA allocator history and dump it at each OOM "
+                   "(<exp-dir>/oom/snapshot-*.pickle, for https://pytorch.org/memory_viz)")
+    r.add_argument("--max-quarantined-cuts", type=int, default=100,
+                   help="stop (exit 15: the GPU, not the data) when more cuts than this were "
+                        "quarantined in one run")
+    r.add_argument("--max-fitted-before-quarantines", type=int, default=3,
+                   help="stop (exit 15) when more cuts than this failed alone although larger "
+                        "cuts had trained before")
+    r.add_argument("--update-retries", type=int, default=2,
+                   help="local retries of an optimizer/averaging phase that ran out of memory "
+                        "(it resumes where it stopped) before the rank is repaired from another")
+    r.add_argument("--count-allocations", default="", help=argparse.SUPPRESS)
     r.add_argument("--inject-fault", action="append", default=[], type=parse_fault,
-                   metavar="PHASE@STEP[:RANKS]|PHASE@cut=ID")
+                   metavar="PHASE@STEP[:RANKS]|PHASE@cut=ID|alloc@STEP:N[:RANKS]")
     r.add_argument("--inject-fault-real", type=str2bool, default=False)
     r.add_argument("--check-consistency-every", type=int, default=0)
     r.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")
@@ -164,7 +179,13 @@ def validate_config(cfg: TrainConfig) -> None:
     if cfg.accumulate_grad_steps < 1:
         bad("--accumulate-grad-steps", "must be >= 1")
     if cfg.dtype == "float16" and cfg.device == "cpu":
-        bad("--dtype float16", "needs a CUDA device (use bfloat16 or float32 on CPU)")
+        # CPU autocast float16 with torch.amp.GradScaler("cpu") works, slowly: it is how the
+        # GradScaler path is tested without a GPU. Say so rather than refuse.
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "--dtype float16 on CPU: slow, meant for testing the GradScaler path "
+            "(use bfloat16 or float32 to train on CPU)")
     if cfg.save_every_n < 1 or cfg.valid_interval < 1 or cfg.log_interval < 1:
         bad("--save-every-n/--valid-interval/--log-interval", "must be >= 1")
     if cfg.synthetic_data == 0 and not cfg.args.get("manifest_dir"):

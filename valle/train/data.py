@@ -31,6 +31,8 @@ def gather_rank_states(local: dict[str, Any], ctx: DistContext) -> list[dict[str
     """Every rank's sampler position (a collective: call on every rank)."""
     if not ctx.distributed:
         return [local]
+    if ctx.channel is not None:
+        return ctx.channel.gather_objects(local)
     out: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(out, local, group=ctx.group)
     return out

@@ -29,6 +29,9 @@ class DistContext:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     group: object | None = None
+    # The resilience core's ControlChannel (set by the trainer): object gathers that
+    # allocate no device memory.
+    channel: object | None = None
 
     @property
     def distributed(self) -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 
 from valle.data.collation import num_text_tokens
 from valle.data.datamodule import ResumableLoader, TtsDataModule
+from valle.data.shar import SharLoader
 from valle.train.batching import Batch
 from valle.train.config import TrainConfig
 from valle.train.data import pick_rank_state, sampler_payload
@@ -37,7 +38,7 @@ class LhotseTrainData:
         cfg.args["max_text_tokens"] = self.module.args.max_text_tokens
         # Checkpoints carry the resolved symbol table path: bin/infer.py reads it from there.
         cfg.args["text_tokens"] = str(self.module.text_tokens_path().resolve())
-        self.train: ResumableLoader = self.module.train_dataloader(ctx.rank, ctx.world_size)
+        self.train: ResumableLoader | SharLoader = self.module.train_dataloader(ctx.rank, ctx.world_size)
         self.valid: ResumableLoader | None = None
         try:
             self.valid = self.module.valid_dataloader(ctx.rank, ctx.world_size)
@@ -60,17 +61,15 @@ class LhotseTrainData:
         """One pass over this rank's batches (metadata only), the worst per criterion."""
         from tqdm import tqdm
 
-        scan = self.module._loader(self.cfg.args.get("train_part", "train"), self.ctx.rank,
-                                   self.ctx.world_size, shuffle=False, drop_last=False,
-                                   prompts=self.module._prompts())
+        batches, dataset = self.module.scan_batches(self.ctx.rank, self.ctx.world_size)
         best: dict[str, tuple[float, Any]] = {}
-        for cuts in tqdm(scan.sampler, desc="scanning for pessimistic batches",
+        for cuts in tqdm(batches, desc="scanning for pessimistic batches",
                          disable=not self.ctx.is_main):
             for name, score in CRITERIA.items():
                 value = score(cuts)
                 if name not in best or value > best[name][0]:
                     best[name] = (value, cuts)
-        return {f"{name} ({value:.1f})": scan.dataset[cuts] for name, (value, cuts) in best.items()}
+        return {f"{name} ({value:.1f})": dataset[cuts] for name, (value, cuts) in best.items()}
 
     def state_dict(self, ctx: DistContext, next_epoch: bool = False) -> dict[str, Any]:
         return sampler_payload(self.train.state_dict(), ctx, next_epoch, "batches_consumed")

@@ -34,10 +34,11 @@ from valle.train.data import TrainData, build_train_data
 from valle.train.dist import DistContext, init_distributed, shutdown
 from valle.train.metrics import MetricsTracker, TensorBoardLogger, ThroughputMeter, setup_logging
 from valle.train.optim import build_optimizer, build_scheduler
+from valle.train.resilience.channel import VOTE_SLOTS, ControlChannel
 from valle.train.resilience.faults import FaultInjector
 from valle.train.resilience.gradsync import build_grad_sync
 from valle.train.resilience.memory import OomReporter, configure_allocator
-from valle.train.resilience.quarantine import Quarantine
+from valle.train.resilience.quarantine import OomNotDataError, Quarantine
 from valle.train.resilience.scan import BatchTooLargeError, scan_pessimistic_batches
 from valle.train.resilience.step import ResilientStep, StepConfig, StepResult
 from valle.train.watchdog import StallWatchdog
@@ -119,13 +120,25 @@ def train(cfg: TrainConfig) -> TrainSummary:
     ctx = init_distributed(cfg.device, cfg.collective_timeout)
     cfg.exp_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(cfg.exp_dir / "log", ctx.rank, ctx.world_size)
-    run = build_run(cfg, ctx)
+    # The recovery path's buffers, first: after an OOM nothing else may be allocatable.
+    ctx.channel = ControlChannel(ctx, vote_slots=VOTE_SLOTS + ctx.world_size)
+    faults = FaultInjector(cfg.inject_fault, ctx.rank, real=cfg.inject_fault_real,
+                           stall_seconds=cfg.stall_seconds)
+    if cfg.count_allocations:
+        faults.count_allocations()
+    faults.start()
     try:
-        return train_epochs(run)
+        run = build_run(cfg, ctx, faults)
+        try:
+            return train_epochs(run)
+        finally:
+            run.watchdog.close()
+            run.tb.close()
+            run.stepper.sync.close()
     finally:
-        run.watchdog.close()
-        run.tb.close()
-        run.stepper.sync.close()
+        faults.stop()
+        if cfg.count_allocations:
+            write_census(Path(cfg.count_allocations), faults, ctx.rank)
 
 
 def train_epochs(run: Run) -> TrainSummary:
@@ -141,9 +154,11 @@ def train_epochs(run: Run) -> TrainSummary:
     for epoch in range(run.epoch, cfg.num_epochs + 1):
         run.epoch = epoch
         account = EpochAccount()
-        batches = run.data.train_batches(epoch)
+        with run.stepper.faults.host_work():
+            batches = run.data.train_batches(epoch)
         while True:
-            batch = draw(batches, cfg.accumulate_grad_steps)
+            with run.stepper.faults.host_work():  # data loading: host memory
+                batch = draw(batches, cfg.accumulate_grad_steps)
             run.scheduler.step_batch(run.step)
             with run.watchdog.step(run.step):
                 result = run.stepper.run(run.step, batch, initial_split=cfg.accumulate_grad_steps)
@@ -170,10 +185,12 @@ def train_epochs(run: Run) -> TrainSummary:
         run.scheduler.step_epoch(epoch)
         run.steps_per_epoch = run.steps_per_epoch or account.steps
         summary.epochs.append(close_epoch(run, epoch, account))
+        run.stepper.flush()  # a damaged rank is repaired before anything is saved
         if account.train_loss < run.best_train:  # the same value on every rank (from the votes)
             run.best_train = account.train_loss
             if run.ctx.is_main:
-                save_best(run.cfg.exp_dir, "train", _best_payload(run))
+                run.stepper.local("checkpoint", lambda: save_best(
+                    run.cfg.exp_dir, "train", _best_payload(run)))
         if cfg.max_steps and run.step >= cfg.max_steps:
             break
         save(run, f"epoch-{epoch}.pt", next_epoch=True)
@@ -196,7 +213,7 @@ def draw(batches: Iterator[Batch], accumulate: int) -> Batch | None:
 # -- construction -------------------------------------------------------------
 
 
-def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
+def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector) -> Run:
     from valle.models import get_model
 
     torch.manual_seed(cfg.seed)
@@ -214,21 +231,21 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
         from valle.train.averaging import ModelAverager
 
         averager = ModelAverager(named, cfg.average_period)
-    faults = FaultInjector(cfg.inject_fault, ctx.rank, real=cfg.inject_fault_real,
-                           stall_seconds=cfg.stall_seconds)
     sync = build_grad_sync(cfg.grad_sync, model, [p for _, p in named], world_size=ctx.world_size,
                            device=ctx.device, group=ctx.group, bucket_cap_mb=cfg.bucket_cap_mb)
     quarantine = Quarantine(cfg.exp_dir / "quarantine.jsonl")
-    if cfg.memory_snapshot and ctx.device.type == "cuda":
+    if cfg.oom_snapshot and ctx.device.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=100000)
     stepper = ResilientStep(
         model, optimizer, sync, ctx,
         StepConfig(train_stage=cfg.train_stage, dtype=cfg.dtype, seed=cfg.seed,
                    grad_clip=cfg.grad_clip if cfg.optimizer_name != "ScaledAdam" else 0.0,
-                   backward_reserve_mb=backward_reserve_mb(cfg, ctx)),
+                   backward_reserve_mb=backward_reserve_mb(cfg, ctx),
+                   update_retries=cfg.update_retries, max_quarantined=cfg.max_quarantined_cuts,
+                   max_fitted_before=cfg.max_fitted_before_quarantines),
         scaler=scaler, averager=averager, faults=faults,
-        reporter=OomReporter(cfg.exp_dir, ctx.rank, cfg.save_oom_batches, cfg.memory_snapshot),
-        quarantine=quarantine,
+        reporter=OomReporter(cfg.exp_dir, ctx.rank, cfg.save_oom_batches, cfg.oom_snapshot),
+        quarantine=quarantine, channel=ctx.channel,
     )
     data = build_train_data(cfg, ctx, quarantine)
     run = Run(cfg, ctx, model, optimizer, scheduler, scaler, averager, stepper, data, quarantine,
@@ -238,6 +255,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext) -> Run:
     if payload is not None:
         # A new stage has a new memory profile: only a same-stage resume skips the scan.
         run.resumed = not restore(run, payload)
+    # After restore: state created from the weights training starts from.
+    stepper.materialize_state()
     logger.info("model: %.2f M parameters, %.2f M trained in stage %d; grad sync %s; %d rank(s) on %s",
                 sum(p.numel() for p in model.parameters()) / 1e6,
                 sum(p.numel() for _, p in named) / 1e6, cfg.train_stage, cfg.grad_sync,
@@ -310,50 +329,54 @@ def restore(run: Run, payload: dict) -> list[str]:
 
 
 def save(run: Run, name: str, next_epoch: bool = False) -> None:
-    """Checkpoint on rank 0 (every rank's sampler position included)."""
+    """Checkpoint on rank 0 (every rank's sampler position included).
+
+    The collectives (repair, sampler positions) go through the control channel; the
+    write itself is rank 0's local work: an OOM there (the averaged model's copy) frees
+    memory and retries once, and if it still fails the run goes on without this file
+    (said in the log) - the other ranks' path is the same either way."""
     run.stepper.flush()  # repair damaged state first: what we save is what every rank holds
-    sampler = run.data.state_dict(run.ctx, next_epoch=next_epoch)
+    with run.stepper.faults.phase_scope("checkpoint"):
+        sampler = run.data.state_dict(run.ctx, next_epoch=next_epoch)
     if not run.ctx.is_main:
         return
-    payload = make_payload(
-        model=run.model.state_dict(),
-        model_avg=run.averager.averaged_state_dict(run.model) if run.averager else None,
-        optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
-        scaler=run.scaler.state_dict() if run.scaler is not None and run.scaler.is_enabled() else None,
-        sampler=sampler, step=run.step,
-        epoch=run.epoch + 1 if next_epoch else run.epoch,
-        batch_in_epoch=0 if next_epoch else sampler.get("batch_in_epoch", 0),
-        train_stage=run.cfg.train_stage, config=run.cfg.args, quarantine=run.quarantine.state(),
-    )
-    path = save_checkpoint(run.cfg.exp_dir / name, payload)
-    logger.info("saved %s", path)
-    if name.startswith("checkpoint-"):
+
+    def write() -> None:
+        payload = make_payload(
+            model=run.model.state_dict(),
+            model_avg=run.averager.averaged_state_dict(run.model) if run.averager else None,
+            optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
+            scaler=run.scaler.state_dict() if run.scaler is not None and run.scaler.is_enabled() else None,
+            sampler=sampler, step=run.step,
+            epoch=run.epoch + 1 if next_epoch else run.epoch,
+            batch_in_epoch=0 if next_epoch else sampler.get("batch_in_epoch", 0),
+            train_stage=run.cfg.train_stage, config=run.cfg.args, quarantine=run.quarantine.state(),
+        )
+        logger.info("saved %s", save_checkpoint(run.cfg.exp_dir / name, payload))
+
+    if run.stepper.local("checkpoint", write) and name.startswith("checkpoint-"):
         remove_old_checkpoints(run.cfg.exp_dir, run.cfg.keep_last_k)
 
 
 # -- validation -------------------------------------------------------------------
 
 
-@torch.no_grad()
 def validate(run: Run) -> dict[str, float]:
-    """Each rank runs its own shard without collectives; one all_reduce at the end."""
-    run.stepper.flush()
-    run.model.eval()
-    tracker = MetricsTracker({"loss": 0.0, "frames": 0.0, "valid_oom_batches": 0.0})
-    try:
-        for batch in run.data.valid_batches():
-            outcome = run.stepper.evaluate(batch)
-            tracker.update(outcome)
-    finally:
-        run.model.train()
-    tracker.reduce(run.ctx.group, device=run.ctx.device)
-    values = tracker.normalized()
-    logger.info("validation at step %d: %s", run.step, tracker)
+    """Each rank runs its own shard without collectives; one vote at the end."""
+    with run.stepper.faults.host_work():
+        batches = run.data.valid_batches()
+    result = run.stepper.validate(batches)
+    values = MetricsTracker({**result.metrics, "loss": result.loss * result.frames,
+                             "frames": result.frames}).normalized()
+    values["valid_oom_batches"] = result.oom_batches
+    logger.info("validation at step %d: loss %.4f over %d batches (%d skipped: out of memory)",
+                run.step, result.loss, result.batches, result.oom_batches)
     run.tb.scalars(run.step, values, prefix="valid/")
-    if values.get("loss", math.inf) < run.best_valid:
-        run.best_valid = values["loss"]
+    if result.loss < run.best_valid:
+        run.best_valid = result.loss
         if run.ctx.is_main:
-            save_best(run.cfg.exp_dir, "valid", _best_payload(run))
+            run.stepper.local("checkpoint", lambda: save_best(
+                run.cfg.exp_dir, "valid", _best_payload(run)))
     return values
 
 
@@ -418,12 +441,9 @@ def log_trained_cuts(run: Run, result: StepResult) -> None:
 
 def close_epoch(run: Run, epoch: int, account: EpochAccount) -> dict[str, Any]:
     """Per-epoch summary across ranks: cuts drawn = trained + quarantined + skipped."""
-    counts = torch.tensor([account.drawn, account.trained, len(account.quarantined),
-                           len(account.skipped), account.ooms],
-                          dtype=torch.float64, device=run.ctx.device)
-    if run.ctx.distributed:
-        dist.all_reduce(counts, group=run.ctx.group)
-    drawn, trained, quarantined, skipped, ooms = (int(x) for x in counts.tolist())
+    counts = run.stepper.reduce_counts([account.drawn, account.trained, len(account.quarantined),
+                                        len(account.skipped), account.ooms])
+    drawn, trained, quarantined, skipped, ooms = (int(x) for x in counts)
     retries = account.retries  # every rank retries together: the local count is the global one
     record = {"epoch": epoch, "steps": account.steps, "cuts_drawn": drawn, "cuts_trained": trained,
               "cuts_quarantined": quarantined, "cuts_skipped": skipped, "oom_events": ooms,
@@ -443,6 +463,14 @@ def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1, default=str))
 
 
+def write_census(path: Path, faults: FaultInjector, rank: int) -> None:
+    """The allocation census of the sweep's dry run: per step, (phase, op) -> count."""
+    census = {str(step): [[phase, op, n] for (phase, op), n in sorted(counter.items())]
+              for step, counter in (faults.census or {}).items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{path}.rank{rank}").write_text(json.dumps(census))
+
+
 # Exit codes of failures the trainer cannot repair in place (docs/training.md).
 # Kept clear of argparse's 2 and Python's 1 so torchrun's report says what happened.
 EXIT_CODES = {
@@ -451,6 +479,7 @@ EXIT_CODES = {
     "ConsistencyError": 12,
     "BatchTooLargeError": 13,
     "PeerFailure": 14,
+    "OomNotDataError": 15,
 }
 _PEER_FAILURE_MARKERS = ("Timed out", "timed out", "Connection reset", "Connection closed",
                          "pair closure", "NCCL communicator was aborted")
@@ -466,7 +495,8 @@ def main_from_config(cfg: TrainConfig) -> int:
 
     try:
         train(cfg)
-    except (NoHealthyRankError, DdpBackwardOomError, ConsistencyError, BatchTooLargeError) as e:
+    except (NoHealthyRankError, DdpBackwardOomError, ConsistencyError, BatchTooLargeError,
+            OomNotDataError) as e:
         logger.error("%s", e)
         return EXIT_CODES[type(e).__name__]
     except (FileNotFoundError, CorruptCheckpointError) as e:

@@ -33,6 +33,8 @@ from torch.optim import Optimizer
 
 __all__ = [
     "ScaledAdam",
+    "Adam",
+    "materialize_optimizer_state",
     "LRScheduler",
     "Eden",
     "NoamScheduler",
@@ -116,6 +118,7 @@ class ScaledAdam(Optimizer):
             clipping_update_period=clipping_update_period,
         )
         super().__init__(params, defaults)
+        self._progress: dict | None = None  # where an interrupted step() resumes
 
     # ----------------------------------------------------------------- state
 
@@ -199,13 +202,15 @@ class ScaledAdam(Optimizer):
             weighted.append(norm * (state["param_rms"] if p.numel() > 1 else scalar_lr_scale))
         if not weighted:
             return None
+        # Computed out of place, then committed with in-place copies (which allocate
+        # nothing): an OOM in here leaves the clipping state as it was.
         tot_norm = torch.linalg.vector_norm(torch.stack(weighted))
         finite = torch.isfinite(tot_norm)
-
-        norms = first["model_norms"]
+        norms = first["model_norms"].clone()
         norms.select(0, step % period).copy_(
             torch.where(finite, tot_norm, torch.full_like(tot_norm, float("nan")))
         )
+        threshold = first["clip_threshold"]
         irregular = step in _IRREGULAR_THRESHOLD_STEPS and step < period
         if (step > 0 and step % period == 0) or irregular:
             median = _lower_median(norms)
@@ -213,14 +218,15 @@ class ScaledAdam(Optimizer):
             threshold = torch.where(
                 torch.isnan(threshold), torch.full_like(threshold, float("inf")), threshold
             )
-            first["clip_threshold"].copy_(threshold)
-
-        factor = torch.clamp(first["clip_threshold"] / (tot_norm + 1.0e-20), max=1.0)
+        factor = torch.clamp(threshold / (tot_norm + 1.0e-20), max=1.0)
         factor = torch.where(finite, factor, torch.zeros_like(factor))
+        clipped = (factor < 1.0).float()
+        first["model_norms"].copy_(norms)
+        first["clip_threshold"].copy_(threshold)
         first["grad_norm"].copy_(tot_norm)
         first["clip_factor"].copy_(factor)
-        first["num_clipped"].add_((factor < 1.0).float())
-        return factor
+        first["num_clipped"].add_(clipped)
+        return first["clip_factor"]
 
     def clipping_stats(self) -> dict[str, Tensor]:
         """Last grad norm, clip factor, threshold and clipped-step count, as
@@ -240,16 +246,33 @@ class ScaledAdam(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One update. Resumable: every parameter's update is computed out of place and
+        then committed with in-place copies, so an out-of-memory error part-way leaves
+        each parameter (and the clipping state) either updated or untouched, and calling
+        step() again finishes the ones left, with the same result as one clean call."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        progress = self._progress = self._progress or {"group": 0, "param": 0}
+        for gi in range(progress["group"], len(self.param_groups)):
+            group = self.param_groups[gi]
             self._init_group_state(group)
-            factor = self._clipping_factor(group)
-            for p in group["params"]:
-                self._step_param(group, p, self.state[p], factor)
+            if "factor" not in progress:
+                progress["factor"] = self._clipping_factor(group)
+            params = group["params"]
+            for pi in range(progress["param"], len(params)):
+                self._step_param(group, params[pi], self.state[params[pi]], progress["factor"])
+                progress["param"] = pi + 1
+            progress.update(group=gi + 1, param=0)
+            progress.pop("factor")
+        self._progress = None
         return loss
+
+    @property
+    def resuming(self) -> bool:
+        """True after an error part-way through step(): the next step() finishes it."""
+        return self._progress is not None
 
     def _step_param(self, group: dict, p: Tensor, state: dict, factor: Tensor | None) -> None:
         if p.grad is None:
@@ -266,36 +289,48 @@ class ScaledAdam(Optimizer):
             grad = p.grad.float()
 
         step = state["step"]
-        beta1, beta2 = group["betas"]
-        delta = state["delta"]
-        delta.mul_(beta1)
+        beta1 = group["betas"][0]
+        # Prepare: every new value out of place (this is where memory is allocated) ...
+        new: dict[str, Tensor] = {"delta": state["delta"] * beta1}
         if p.numel() > 1:
             period = group["size_update_period"]
-            state["scale_grads"].select(0, step % period).copy_((p.float() * grad).sum())
+            new["scale_grads"] = state["scale_grads"].clone()
+            new["scale_grads"].select(0, step % period).copy_((p.float() * grad).sum())
+            rms = state["param_rms"]
             if step % period == period - 1:
-                state["param_rms"].copy_(p.detach().float().pow(2).mean().sqrt())
+                rms = new["param_rms"] = p.detach().float().pow(2).mean().sqrt()
                 if step > 0:
-                    self._size_update(group, p, state)
-            self._step_tensor(group, p, grad, state)
+                    self._size_update(group, p, state, new, rms)
+            new["exp_avg_sq"], update = self._tensor_update(group, grad, state, rms)
+            new["delta"].add_(update)
+            new_p = p + new["delta"].to(p.dtype)
         else:
-            self._step_scalar(group, p, grad, state)
+            new["exp_avg_sq"], update = self._scalar_update(group, grad, state)
+            new["delta"].add_(update)
+            new_p = p.clamp(min=-group["scalar_max"], max=group["scalar_max"])
+            new_p.add_(new["delta"].to(p.dtype))
+        # ... commit: in-place copies only, which allocate nothing.
+        for key, value in new.items():
+            state[key].copy_(value)
+        p.copy_(new_p)
         state["step"] = step + 1
 
-    def _size_update(self, group: dict, p: Tensor, state: dict) -> None:
+    def _size_update(self, group: dict, p: Tensor, state: dict, new: dict[str, Tensor],
+                     param_rms: Tensor) -> None:
         """Learn the overall size of ``p`` from the accumulated ``sum(p * grad)``."""
         beta1, beta2 = group["betas"]
         size_lr = group["lr"] * group["scalar_lr_scale"]
-        scale_grads = state["scale_grads"]
+        scale_grads = new["scale_grads"]
         period = scale_grads.shape[0]
         # The size is updated once per period, so its statistics decay faster.
         beta2_corr = beta2**period
-        scale_exp_avg_sq = state["scale_exp_avg_sq"]
-        scale_exp_avg_sq.mul_(beta2_corr).add_(scale_grads.pow(2).mean(), alpha=1 - beta2_corr)
+        scale_exp_avg_sq = state["scale_exp_avg_sq"] * beta2_corr
+        scale_exp_avg_sq.add_(scale_grads.pow(2).mean(), alpha=1 - beta2_corr)
+        new["scale_exp_avg_sq"] = scale_exp_avg_sq
         size_step = (state["step"] + 1) // period
         bias_correction2 = 1 - beta2_corr**size_step
         denom = scale_exp_avg_sq.sqrt() + group["eps"]
         scale_step = -size_lr * (bias_correction2**0.5) * scale_grads.sum() / denom
-        param_rms = state["param_rms"]
         # Too small: stop shrinking. Too large: shrink at the maximum rate.
         scale_step = torch.where(
             param_rms < group["param_min_rms"], torch.zeros_like(scale_step), scale_step
@@ -305,12 +340,14 @@ class ScaledAdam(Optimizer):
             torch.full_like(scale_step, -size_lr * period),
             scale_step,
         )
-        state["delta"].add_(p.float() * scale_step, alpha=1 - beta1)
+        new["delta"].add_(p.float() * scale_step, alpha=1 - beta1)
 
-    def _step_tensor(self, group: dict, p: Tensor, grad: Tensor, state: dict) -> None:
+    def _tensor_update(self, group: dict, grad: Tensor, state: dict,
+                       param_rms: Tensor) -> tuple[Tensor, Tensor]:
+        """(new exp_avg_sq, the addition to delta) for a tensor parameter."""
         beta1, beta2 = group["betas"]
-        exp_avg_sq = state["exp_avg_sq"]
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        exp_avg_sq = state["exp_avg_sq"] * beta2
+        exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
         bias_correction2 = 1 - beta2 ** (state["step"] + 1)
         if bias_correction2 < 0.99:
             denom = (exp_avg_sq * (1.0 / bias_correction2)).sqrt_()
@@ -318,23 +355,123 @@ class ScaledAdam(Optimizer):
             denom = exp_avg_sq.sqrt()
         denom.add_(group["eps"])
         # The update is relative to the parameter's RMS.
-        alpha = state["param_rms"].clamp(min=group["param_min_rms"]) * (-group["lr"] * (1 - beta1))
-        delta = state["delta"]
-        # Not in place on grad: without clipping it is p.grad itself.
-        delta.add_(grad / denom * alpha)
-        p.add_(delta.to(p.dtype))
+        alpha = param_rms.clamp(min=group["param_min_rms"]) * (-group["lr"] * (1 - beta1))
+        return exp_avg_sq, grad / denom * alpha
 
-    def _step_scalar(self, group: dict, p: Tensor, grad: Tensor, state: dict) -> None:
+    def _scalar_update(self, group: dict, grad: Tensor, state: dict) -> tuple[Tensor, Tensor]:
         beta1, beta2 = group["betas"]
         lr = group["lr"] * group["scalar_lr_scale"]
-        exp_avg_sq = state["exp_avg_sq"]
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        exp_avg_sq = state["exp_avg_sq"] * beta2
+        exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
         bias_correction2 = 1 - beta2 ** (state["step"] + 1)
         denom = (exp_avg_sq / bias_correction2).sqrt_().add_(group["eps"])
-        delta = state["delta"]
-        delta.add_(grad / denom, alpha=-lr * (1 - beta1))
-        p.clamp_(min=-group["scalar_max"], max=group["scalar_max"])
-        p.add_(delta.to(p.dtype))
+        return exp_avg_sq, (grad / denom) * (-lr * (1 - beta1))
+
+    def materialize_state(self) -> None:
+        """Create every parameter's state now rather than at the first step, so its
+        layout is fixed from the start (an in-place repair broadcast needs that)."""
+        for group in self.param_groups:
+            self._init_group_state(group)
+
+
+class Adam(Optimizer):
+    """Adam / AdamW (``decoupled=True``), resumable like ScaledAdam.
+
+    Parameters are updated in chunks of about ``chunk_mb``: each chunk's new
+    values are computed out of place (foreach kernels, so the speed of torch's
+    foreach AdamW) and committed with in-place copies. An out-of-memory error
+    leaves every chunk updated or untouched; the next step() call finishes the
+    rest. The arithmetic is torch.optim.AdamW's (tested against it).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = True,
+                 chunk_mb: float = 64.0) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        decoupled=decoupled)
+        super().__init__(params, defaults)
+        self.chunk_bytes = int(chunk_mb * (1 << 20))
+        self._progress: tuple[int, int] | None = None
+
+    @property
+    def resuming(self) -> bool:
+        return self._progress is not None
+
+    def materialize_state(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+
+    def _chunks(self, params: list[Tensor]) -> list[list[Tensor]]:
+        chunks: list[list[Tensor]] = [[]]
+        size = 0
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            if chunks[-1] and (size + nbytes > self.chunk_bytes
+                               or p.device != chunks[-1][0].device or p.dtype != chunks[-1][0].dtype):
+                chunks.append([])
+                size = 0
+            chunks[-1].append(p)
+            size += nbytes
+        return [c for c in chunks if c]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.materialize_state()
+        start_group, start_chunk = self._progress or (0, 0)
+        for gi in range(start_group, len(self.param_groups)):
+            group = self.param_groups[gi]
+            chunks = self._chunks([p for p in group["params"] if p.grad is not None])
+            for ci in range(start_chunk if gi == start_group else 0, len(chunks)):
+                self._progress = (gi, ci)
+                self._update_chunk(group, chunks[ci])
+        self._progress = None
+        return loss
+
+    def _update_chunk(self, group: dict, params: list[Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        states = [self.state[p] for p in params]
+        grads = [p.grad for p in params]
+        if wd and not group["decoupled"]:
+            grads = torch._foreach_add(grads, params, alpha=wd)
+        steps = [s["step"] + 1 for s in states]
+        exp_avg = [s["exp_avg"] for s in states]
+        exp_avg_sq = [s["exp_avg_sq"] for s in states]
+        # Prepare (allocates) ...
+        new_avg = torch._foreach_lerp(exp_avg, grads, 1 - beta1)
+        new_sq = torch._foreach_mul(exp_avg_sq, beta2)
+        torch._foreach_addcmul_(new_sq, grads, grads, value=1 - beta2)
+        denom = torch._foreach_sqrt(new_sq)
+        torch._foreach_div_(denom, [math.sqrt(1 - beta2**k) for k in steps])
+        torch._foreach_add_(denom, eps)
+        update = torch._foreach_div(new_avg, denom)
+        torch._foreach_mul_(update, [-lr / (1 - beta1**k) for k in steps])
+        new_p = torch._foreach_mul(params, 1 - lr * wd) if wd and group["decoupled"] else \
+            torch._foreach_mul(params, 1.0)
+        torch._foreach_add_(new_p, update)
+        # ... commit (in-place copies allocate nothing).
+        torch._foreach_copy_(exp_avg, new_avg)
+        torch._foreach_copy_(exp_avg_sq, new_sq)
+        torch._foreach_copy_(params, new_p)
+        for s, k in zip(states, steps):
+            s["step"] = k
+
+
+def materialize_optimizer_state(optimizer: Optimizer) -> None:
+    """Create the optimizer's state up front (see ScaledAdam.materialize_state)."""
+    materialize = getattr(optimizer, "materialize_state", None)
+    if materialize is None:
+        raise TypeError(f"{type(optimizer).__name__} cannot create its state up front")
+    materialize()
 
 
 # --------------------------------------------------------------------------
@@ -544,11 +681,10 @@ def build_optimizer(
             clipping_update_period=clipping_update_period,
         )
     if name == "AdamW":
-        return torch.optim.AdamW(
-            named_params, lr=base_lr, betas=betas, weight_decay=weight_decay, eps=eps
-        )
+        return Adam([p for _, p in named_params], lr=base_lr, betas=betas,
+                    weight_decay=weight_decay, eps=eps, decoupled=True)
     if name == "Adam":
-        return torch.optim.Adam(named_params, lr=base_lr, betas=betas, eps=eps)
+        return Adam([p for _, p in named_params], lr=base_lr, betas=betas, eps=eps)
     raise ValueError(f"unknown optimizer {name!r}; choose one of {OPTIMIZERS}")
 
 

@@ -1,7 +1,7 @@
 """The OOM matrix: phase x world size x failing ranks, on gloo/CPU (issue: resilient step).
 
-For every cell the run must finish (or, when the optimizer state is damaged on
-every rank, stop cleanly on every rank with NoHealthyRankError), the
+For every cell the run must finish (an OOM in the update phase, even on every
+rank, is retried locally and resumes where it stopped), the
 parameter/optimizer/scaler/averaged-model fingerprints must agree across ranks
 after every step (--check-consistency-every 1 raises otherwise), every drawn
 cut must be trained or quarantined, and - dropout 0 - the final parameters
@@ -40,12 +40,9 @@ def base_argv(exp_dir, world_size: int) -> list[str]:
         "--synthetic-batch-size", str(4 * world_size), "--num-epochs", "1",
         "--max-steps", str(STEPS), "--check-consistency-every", "1", "--average-period", "1",
         "--base-lr", "0.01", "--warmup-steps", "2", "--log-interval", "1",
+        # ~35 buckets of 50 kB: launching "the remaining buckets in order" really happens
+        "--bucket-cap-mb", "0.05",
     ]
-
-
-def expected_to_fail(phase: str, failing: str, world_size: int) -> bool:
-    # Damaged optimizer/averaging state can only be repaired from a healthy rank.
-    return phase in ("optimizer", "average") and (failing == "all" or world_size == 1)
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +71,6 @@ def test_matrix_cell(matrix, phase, world_size, failing):
     ranks = matrix[world_size]
     key = f"{phase}/{failing}"
     outcomes = [r[key] for r in ranks]
-    if expected_to_fail(phase, failing, world_size):
-        assert all(not o["ok"] for o in outcomes), "every rank must stop, not only some"
-        assert {o["error"] for o in outcomes} == {"NoHealthyRankError"}
-        assert "Restart from the last checkpoint" in outcomes[0]["message"]
-        return
     assert all(o["ok"] for o in outcomes), [o.get("message") for o in outcomes]
     summaries = [o["summary"] for o in outcomes]
     assert all(s["steps"] == STEPS for s in summaries)

@@ -8,6 +8,14 @@ alone and ends in quarantine. `stall@STEP[:RANKS]` sleeps inside the step so the
 watchdog can be tested. With `--inject-fault-real` on CUDA, memory is really
 exhausted instead of raising, so the allocator fails by itself.
 
+`alloc@STEP:N[:RANKS]` fails the Nth tensor-allocating aten op of step STEP on
+RANKS, wherever it is: forward, backward, a bucket launch, the scaler, the
+middle of the optimizer step, validation, a consistency check, a checkpoint
+save (a `TorchDispatchMode` sees them all). "Step S" is everything the loop
+does from the start of step S until step S+1 starts, retries included; host
+work (data loading, writing reports) is not counted. `make oom-sweep` fails
+every such op in turn, as SQLite fails every malloc.
+
 Inert unless given: `FaultInjector([])` costs one attribute check per phase.
 """
 
@@ -17,11 +25,13 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +40,7 @@ OOM_PHASES = ("to_device", "forward", "backward", "grad_sync", "optimizer", "ave
 CUT_PHASES = ("to_device", "forward", "backward")
 # stall: sleep inside the step (watchdog tests); nonfinite: make this rank's loss NaN,
 # nonfinite_grad: keep the loss finite but make its gradient NaN (vote tests); kill: SIGKILL this process, first launch only (elastic-restart tests).
-ALL_PHASES = (*OOM_PHASES, "stall", "nonfinite", "nonfinite_grad", "kill")
+ALL_PHASES = (*OOM_PHASES, "stall", "nonfinite", "nonfinite_grad", "kill", "alloc")
 
 
 class InjectedOutOfMemoryError(torch.OutOfMemoryError):
@@ -43,6 +53,7 @@ class FaultSpec:
     step: int | None = None
     cut_id: str | None = None
     ranks: frozenset[int] | None = None  # None: every rank
+    nth: int = 0  # alloc: the Nth allocating op of the step (1-based)
 
     def applies_to_rank(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
@@ -67,19 +78,31 @@ def parse_fault(text: str) -> FaultSpec:
         # A cut id may itself contain ':'; ranks are only split off a step target.
         if not cut_id:
             raise fail("empty cut id")
+        if phase == "alloc":
+            raise fail("alloc takes STEP:N, not a cut")
         if phase not in CUT_PHASES:
             raise fail(f"a cut target only works for {', '.join(CUT_PHASES)}")
         return FaultSpec(phase=phase, cut_id=cut_id)
-    step_text, _, ranks_text = where.partition(":")
+    nth = 0
+    if phase == "alloc":
+        step_text, _, rest = where.partition(":")
+        nth_text, _, ranks_text = rest.partition(":")
+        if not nth_text:
+            raise fail("alloc needs STEP:N (fail the Nth allocating op of step STEP)")
+    else:
+        step_text, _, ranks_text = where.partition(":")
+        nth_text = "0"
     try:
-        step = int(step_text)
+        step, nth = int(step_text), int(nth_text)
         if ranks_text:
             ranks = frozenset(int(r) for r in ranks_text.split(","))
     except ValueError:
-        raise fail("STEP and RANKS must be integers") from None
+        raise fail("STEP, N and RANKS must be integers") from None
     if step < 0:
         raise fail("STEP must be >= 0")
-    return FaultSpec(phase=phase, step=step, ranks=ranks)
+    if phase == "alloc" and nth < 1:
+        raise fail("N must be >= 1")
+    return FaultSpec(phase=phase, step=step, ranks=ranks, nth=nth)
 
 
 class FaultInjector:
@@ -98,14 +121,82 @@ class FaultInjector:
         self.stall_seconds = stall_seconds
         self.step = -1
         self.attempt = 0
+        self.phase = "idle"  # where the trainer is now: reports and the allocation census
         self.fired: list[tuple[str, int, int]] = []  # (phase, step, attempt), for tests and logs
+        self.alloc_specs = [s for s in self.specs if s.phase == "alloc"]
+        self.allocations = 0  # allocating ops counted in the current step window
+        self.census: dict[int, Counter] | None = None  # step -> Counter((phase, op)); see count_allocations
+        self._host_depth = 0
+        self._error_phase: str | None = None
+        self._mode: _AllocationMode | None = None
 
     @property
     def active(self) -> bool:
         return bool(self.specs)
 
     def begin_attempt(self, step: int, attempt: int) -> None:
+        if step != self.step:
+            self.allocations = 0  # a new step window
         self.step, self.attempt = step, attempt
+
+    # -- phases and the allocation-level injector --------------------------------
+
+    @contextmanager
+    def phase_scope(self, phase: str) -> Iterator[None]:
+        """Name what the trainer is doing (for OOM reports and the allocation census)."""
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        except BaseException:
+            # The innermost phase an error came through: what its report names.
+            if self._error_phase is None:
+                self._error_phase = phase
+            raise
+        finally:
+            self.phase = previous
+
+    def take_error_phase(self) -> str:
+        """The phase the last error was raised in (then forgotten)."""
+        phase, self._error_phase = self._error_phase or self.phase, None
+        return phase
+
+    @contextmanager
+    def host_work(self) -> Iterator[None]:
+        """Host-memory work (data loading, writing reports): not a device allocation."""
+        self._host_depth += 1
+        try:
+            yield
+        finally:
+            self._host_depth -= 1
+
+    def count_allocations(self) -> None:
+        """Record every allocating op per step, by (phase, op) (the sweep's dry run)."""
+        self.census = {}
+
+    def start(self) -> None:
+        """Install the allocation interceptor if an alloc fault or a census needs it."""
+        if (self.alloc_specs or self.census is not None) and self._mode is None:
+            self._mode = _AllocationMode(self)
+            self._mode.__enter__()
+
+    def stop(self) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    def on_allocation(self, op_name: str) -> None:
+        if self._host_depth:
+            return
+        self.allocations += 1
+        if self.census is not None:
+            self.census.setdefault(self.step, Counter())[(self.phase, op_name)] += 1
+        for spec in self.alloc_specs:
+            if (spec.step == self.step and spec.nth == self.allocations
+                    and ("alloc", self.step, spec.nth) not in self.fired):
+                self.fired.append(("alloc", self.step, spec.nth))
+                raise InjectedOutOfMemoryError(
+                    f"injected OOM: allocation #{spec.nth} ({op_name}) of step {self.step} in "
+                    f"phase {self.phase}, attempt {self.attempt}, rank {self.rank}")
 
     def _should_fire(self, phase: str, cut_ids: Sequence[str] | None) -> bool:
         for spec in self.specs:
@@ -176,6 +267,40 @@ class FaultInjector:
             yield
         finally:
             del hog
+
+
+def _allocates(func) -> bool:
+    """Whether an aten op creates a new tensor (its outputs alias no input).
+
+    Views and in-place/out= ops return aliases and allocate nothing; collectives
+    (c10d) work in place on buffers allocated at start. `lift_fresh` marks a
+    tensor made from Python data (torch.tensor), which on CUDA is an allocation."""
+    cached = _ALLOCATES.get(func)
+    if cached is None:
+        schema = func._schema
+        namespace = schema.name.split("::")[0]
+        cached = namespace not in ("c10d", "_c10d_functional") and (
+            schema.name == "aten::lift_fresh" or any(
+                r.alias_info is None and "Tensor" in str(r.type) for r in schema.returns))
+        _ALLOCATES[func] = cached
+    return cached
+
+
+_ALLOCATES: dict = {}
+
+
+class _AllocationMode(TorchDispatchMode):
+    """Sees every aten op below autograd and autocast (forward, backward, optimizer
+    foreach kernels, the scaler's kernels, collectives' local work)."""
+
+    def __init__(self, injector: FaultInjector):
+        super().__init__()
+        self.injector = injector
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _allocates(func):
+            self.injector.on_allocation(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
 
 
 class _NanGradient(torch.autograd.Function):

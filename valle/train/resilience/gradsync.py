@@ -69,8 +69,11 @@ class BucketedGradSync:
         # Check this rank's gradient for inf/NaN at launch (off under GradScaler, whose
         # job overflow is: it must see the infs to lower the scale).
         self.check_finite = False
-        self._local_norms: list[torch.Tensor] = []
         self.buckets = self._build_buckets(list(params), int(bucket_cap_mb * (1 << 20)))
+        # Each bucket's local gradient norm, written in place at launch (read before the
+        # all-reduce overwrites the bucket): allocated once, so launching allocates nothing.
+        self._norms = torch.zeros(len(self.buckets), dtype=torch.float32,
+                                  device=self.buckets[0].buffer.device)
         self._bucket_of: dict[int, Bucket] = {}
         for bucket in self.buckets:
             for p in bucket.params:
@@ -130,11 +133,13 @@ class BucketedGradSync:
             bucket.launched = False
         self._next_to_launch = 0
         self.armed = False
-        self._local_norms = []
+        self._norms.zero_()
 
-    def local_grads_finite(self) -> torch.Tensor | None:
-        """On-device flag: this rank's gradient had no inf/NaN (None if not checked)."""
-        return _all_finite(self._local_norms) if self.check_finite else None
+    def write_grad_norm(self, slot: torch.Tensor) -> None:
+        """Sum of this rank's bucket norms into `slot` (in place): inf/NaN exactly when
+        the local gradient holds an inf/NaN. Zero when not checked."""
+        if self.check_finite:
+            slot.copy_(self._norms.sum())
 
     @contextmanager
     def backward_context(self, last_micro_batch: bool) -> Iterator[None]:
@@ -158,24 +163,32 @@ class BucketedGradSync:
                and self.buckets[self._next_to_launch].ready == len(self.buckets[self._next_to_launch].params)):
             self._launch(self.buckets[self._next_to_launch])
 
-    def _launch(self, bucket: Bucket) -> None:
-        if self.on_launch is not None and not bucket.launched:
-            self.on_launch(bucket.index)
-        bucket.launched = True
-        self._next_to_launch = bucket.index + 1
-        if self.check_finite:
-            # This rank's own gradient, read before the all-reduce overwrites it (the
-            # norm is queued on the stream ahead of the collective).
-            self._local_norms.append(torch.linalg.vector_norm(bucket.buffer))
+    def _launch(self, bucket: Bucket, failed: bool = False) -> None:
+        """All-reduce one bucket. The bucket counts as launched only once its collective
+        is issued: an error in the local work before it (the fault hook, the norm)
+        leaves it to `launch_remaining(failed=True)`, so no rank is ever one short."""
+        if not failed:
+            if self.on_launch is not None:
+                self.on_launch(bucket.index)
+            if self.check_finite:
+                # This rank's own gradient, read before the all-reduce overwrites it (the
+                # norm is queued on the stream ahead of the collective).
+                torch.linalg.vector_norm(bucket.buffer, out=self._norms[bucket.index])
         if self.world_size > 1:
             bucket.handle = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        bucket.launched = True
+        self._next_to_launch = bucket.index + 1
 
-    def launch_remaining(self) -> None:
-        """Launch every bucket not yet launched, in order. Safe after a failed backward."""
+    def launch_remaining(self, failed: bool = False) -> None:
+        """Launch every bucket not yet launched, in order.
+
+        `failed=True` is the recovery path after a local error: it issues only the
+        collectives (no fault hook, no norm: this rank's gradient is discarded anyway),
+        which allocate no device memory, so it cannot fail the way the error did."""
         self.armed = False
         for bucket in self.buckets[self._next_to_launch:]:
             if not bucket.launched:
-                self._launch(bucket)
+                self._launch(bucket, failed)
 
     def wait(self) -> None:
         for bucket in self.buckets:
@@ -217,7 +230,6 @@ class LocalGradSync:
         self.on_launch = on_launch
         self._launched = False
         self.check_finite = False
-        self._local_norms: list[torch.Tensor] = []
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -227,7 +239,6 @@ class LocalGradSync:
         for p in self._params:
             p.grad = None
         self._launched = False
-        self._local_norms = []
 
     def backward_context(self, last_micro_batch: bool):
         return nullcontext()
@@ -235,15 +246,15 @@ class LocalGradSync:
     def forward_module(self, model: nn.Module) -> nn.Module:
         return model
 
-    def launch_remaining(self) -> None:
-        if not self._launched and self.on_launch is not None:
+    def launch_remaining(self, failed: bool = False) -> None:
+        if not failed and not self._launched and self.on_launch is not None:
             self.on_launch(0)
         self._launched = True
-        grads = [p.grad for p in self._params if p.grad is not None]
-        self._local_norms = list(torch._foreach_norm(grads)) if self.check_finite and grads else []
 
-    def local_grads_finite(self) -> torch.Tensor | None:
-        return _all_finite(self._local_norms) if self.check_finite else None
+    def write_grad_norm(self, slot: torch.Tensor) -> None:
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if self.check_finite and grads:
+            slot.copy_(torch.stack(torch._foreach_norm(grads)).sum())
 
     def wait(self) -> None:
         pass
@@ -302,11 +313,11 @@ class DdpGradSync:
             return self.ddp.no_sync()
         return nullcontext()
 
-    def launch_remaining(self) -> None:  # DDP reduced inside backward
+    def launch_remaining(self, failed: bool = False) -> None:  # DDP reduced inside backward
         pass
 
-    def local_grads_finite(self) -> None:  # voted before backward: only the loss is known
-        return None
+    def write_grad_norm(self, slot: torch.Tensor) -> None:  # voted before backward
+        pass
 
     def wait(self) -> None:
         pass
@@ -320,13 +331,6 @@ class DdpGradSync:
 
     def close(self) -> None:
         pass
-
-
-def _all_finite(norms: list[torch.Tensor]) -> torch.Tensor | None:
-    """A norm is inf/NaN exactly when its tensor holds an inf/NaN."""
-    if not norms:
-        return None
-    return torch.isfinite(torch.stack([n.float().reshape(()) for n in norms])).all()
 
 
 def build_grad_sync(mode: str, model: nn.Module, params: Sequence[nn.Parameter], *, world_size: int,

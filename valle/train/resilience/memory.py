@@ -10,6 +10,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,11 +83,15 @@ def largest_free_block(device: torch.device) -> int:
 
 
 def memory_figures(device: torch.device) -> dict[str, int]:
-    """Allocated, reserved, peak, free on the device and largest free cached block (bytes)."""
+    """The allocator's state, read at the failure (before anything is freed), in bytes:
+    allocated, reserved, peak, free on the device, the largest free cached block, and
+    fragmentation figures from `torch.cuda.memory_stats` (bytes cached but split off
+    inactive blocks, allocation retries that had to flush the cache, OOMs so far)."""
     if device.type != "cuda":
         return {"allocated": 0, "reserved": 0, "max_allocated": 0, "device_free": 0,
                 "device_total": 0, "largest_free_block": 0}
     free, total = torch.cuda.mem_get_info(device)
+    stats = torch.cuda.memory_stats(device)
     return {
         "allocated": torch.cuda.memory_allocated(device),
         "reserved": torch.cuda.memory_reserved(device),
@@ -93,29 +99,50 @@ def memory_figures(device: torch.device) -> dict[str, int]:
         "device_free": int(free),
         "device_total": int(total),
         "largest_free_block": largest_free_block(device),
+        "inactive_split_bytes": int(stats.get("inactive_split_bytes.all.current", 0)),
+        "num_alloc_retries": int(stats.get("num_alloc_retries", 0)),
+        "num_ooms": int(stats.get("num_ooms", 0)),
     }
 
 
 class BackwardReserve:
-    """Holds a contiguous block during the NAR forward, released before backward.
+    """Holds a contiguous block during the NAR forward, released when it ends.
 
     The NAR backward needs a few large contiguous buffers; after a long forward
     the pool can be fragmented so that they do not fit although enough memory is
-    nominally free. Holding `size_mb` through the forward and releasing it just
-    before backward hands backward one contiguous free segment (the reference
-    discussion measured blocks of ~480 MB). No-op on CPU or with size 0.
+    nominally free. Holding `size_mb` through the NAR forward and releasing it as
+    the forward ends hands backward one contiguous free segment (the reference
+    discussion measured blocks of ~480 MB). The model enters `held()` around its
+    NAR forward only (not the AR forward, not under no_grad: no backward follows
+    there), and leaves it on every path, an OOM included. Size 0 disables it.
     """
 
     def __init__(self, device: torch.device, size_mb: int):
         self.device = device
-        self.nbytes = size_mb * MiB if device.type == "cuda" else 0
+        self.nbytes = size_mb * MiB
         self._block: torch.Tensor | None = None
+        self.holds = 0  # how often it was taken (tests, logs)
+
+    @property
+    def is_held(self) -> bool:
+        return self._block is not None
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        self.hold()
+        try:
+            yield
+        finally:
+            self.release()
 
     def hold(self) -> None:
-        if self.nbytes and self._block is None:
+        if self.nbytes and self._block is None and torch.is_grad_enabled():
             try:
                 self._block = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-            except torch.OutOfMemoryError:
+                self.holds += 1
+            except Exception as exc:  # noqa: BLE001
+                if not is_oom_error(exc):
+                    raise
                 # Not holding the reserve is not an error: the step may still fit.
                 logger.warning("could not hold the %d MiB backward reserve", self.nbytes // MiB)
 

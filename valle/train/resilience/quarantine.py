@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +67,62 @@ class Quarantine:
 
     def state(self) -> list[dict[str, Any]]:
         return list(self.entries.values())
+
+
+class OomNotDataError(RuntimeError):
+    """Out-of-memory errors that the data does not explain: the GPU is the problem."""
+
+
+@dataclass
+class OomPolicy:
+    """When a lone cut's OOM means the cut, and when OOMs mean the GPU.
+
+    * A cut that fails alone is retried once (memory was freed in between): a
+      transient failure (fragmentation, a spike) must not ban a healthy cut for
+      good. Only its second failure in the same step quarantines it.
+    * OOMs are not the data's fault when quarantines pile up
+      (`max_quarantined` in this run) or when cuts no larger than ones already
+      trained fail alone (`max_fitted_before`: a leak, another process on the
+      GPU). Then the run stops with its own exit code rather than quarantining
+      the whole corpus and exiting 0 having trained nothing.
+    """
+
+    max_quarantined: int = 100
+    max_fitted_before: int = 3
+    largest_frames: int = 0  # the largest single cut trained on this rank so far
+    largest_text: int = 0
+    quarantined_here: int = 0  # quarantined in this run (shared entries included)
+    fitted_before: int = 0
+    _lone: set[str] = field(default_factory=set)
+
+    def begin_step(self) -> None:
+        self._lone.clear()
+
+    def quarantine_now(self, cut_id: str) -> bool:
+        """A lone failure of `cut_id`: True on its second one in this step."""
+        if cut_id in self._lone:
+            return True
+        self._lone.add(cut_id)
+        return False
+
+    def note_trained(self, frames: list[int], text: list[int]) -> None:
+        if frames:
+            self.largest_frames = max(self.largest_frames, max(frames))
+            self.largest_text = max(self.largest_text, max(text))
+
+    def fitted_before_here(self, frames: int, text: int) -> bool:
+        return frames <= self.largest_frames and text <= self.largest_text
+
+    def note_quarantined(self, entries: list[dict[str, Any]]) -> None:
+        self.quarantined_here += len(entries)
+        self.fitted_before += sum(bool(e.get("fitted_before")) for e in entries)
+
+    def verdict(self) -> str | None:
+        """Why the run must stop (OOMs not tied to the data), or None."""
+        if self.fitted_before > self.max_fitted_before:
+            return (f"{self.fitted_before} cuts failed alone although larger cuts had trained "
+                    f"before (limit --max-fitted-before-quarantines {self.max_fitted_before})")
+        if self.quarantined_here > self.max_quarantined:
+            return (f"{self.quarantined_here} cuts quarantined in this run (limit "
+                    f"--max-quarantined-cuts {self.max_quarantined})")
+        return None

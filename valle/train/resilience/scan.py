@@ -20,8 +20,7 @@ import torch
 
 from valle.train.batching import Batch, batch_size, frame_count, select_rows
 from valle.train.config import TrainConfig
-from valle.train.dist import all_reduce_sum
-from valle.train.resilience.memory import MiB, free_memory, is_oom_error
+from valle.train.resilience.memory import MiB, free_memory
 
 logger = logging.getLogger(__name__)
 
@@ -50,30 +49,21 @@ class ScanRow:
                 f"{'ok' if self.fits else 'OOM'}")
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes the optimizer's state will take once created (two fp32 moments per element)."""
-    if any(optimizer.state.values()):
-        return 0  # already materialised (resumed run)
-    return sum(2 * p.numel() * 4 for g in optimizer.param_groups for p in g["params"])
-
-
 def scan_pessimistic_batches(stepper, batches: dict[str, Batch], optimizer, cfg: TrainConfig) -> list[ScanRow]:
     device = stepper.device
-    ballast = None
-    nbytes = optimizer_state_bytes(optimizer)
-    if device.type == "cuda" and nbytes:
-        ballast = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    rows = [_try_batch(stepper, name, batch) for name, batch in batches.items()]
-    del ballast
+    # The optimizer state is real by now (ResilientStep.materialize_state): it takes
+    # its memory here as it will in training, no stand-in needed.
+    stepper.materialize_state()
+    with stepper.faults.phase_scope("scan"):
+        rows = [_try_batch(stepper, name, batch) for name, batch in batches.items()]
     free_memory(device)
     header = (f"{'criterion':<36} {'cuts':>5} {'frames':>7} {'text':>7}  {'peak':>13}  "
               f"{'headroom':>13}  result")
     logger.info("pessimistic batches (%s, GradScaler %s, reserve %d MiB):\n%s\n%s", cfg.dtype,
                 "on" if cfg.dtype == "float16" else "off", stepper.reserve.nbytes // MiB, header,
                 "\n".join(r.line() for r in rows))
-    failed = torch.tensor([float(not all(r.fits for r in rows))], device=device)
-    all_reduce_sum(failed, stepper.ctx)
-    if failed.item() > 0:
+    failed = stepper.reduce_counts([float(not all(r.fits for r in rows))])[0]
+    if failed > 0:
         advice = [_advice(r, cfg) for r in rows if not r.fits]
         raise BatchTooLargeError(
             "the pessimistic scan ran out of memory on "
@@ -101,14 +91,9 @@ def _try_batch(stepper, name: str, batch: Batch) -> ScanRow:
 
 
 def _fits(stepper, batch: Batch) -> bool:
-    try:
-        stepper.trial(batch)
-        return True
-    except Exception as exc:  # noqa: BLE001
-        if not is_oom_error(exc):
-            raise
-    stepper._cleanup()
-    return False
+    """Whether the batch trains; a failure is retried once after memory was freed
+    (a transient OOM is not a reason to tell the user to lower a flag)."""
+    return any(stepper._guarded(-1, lambda: stepper.trial(batch)) is None for _ in range(2))
 
 
 def _advice(row: ScanRow, cfg: TrainConfig) -> str:
