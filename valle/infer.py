@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--language", default="en-us", help="espeak language of --text")
     p.add_argument("--prompt-language", default=None,
                    help="espeak language of --text-prompts (default: --language)")  # fmt: skip
+    p.add_argument("--languages", default=None,
+                   help="VALL-E X models (--num-languages > 0): the languages in id order, comma "
+                        "separated; default: the checkpoint config's 'languages'")  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="inference precision of the model")  # fmt: skip
     p.add_argument("--encodec-checkpoint", default=None, help="EnCodec 24 kHz state dict")
@@ -309,6 +312,7 @@ class Synthesizer:
         language: str = "en-us",
         prompt_language: str | None = None,
         checkpoint_config: dict[str, Any] | None = None,
+        languages: list[str] | str | None = None,
     ):
         from valle.data.symbols import SymbolTable
         from valle.data.text import TextTokenCollater, TextTokenizer
@@ -329,6 +333,27 @@ class Synthesizer:
         self.collater = TextTokenCollater(table, add_bos=True, add_eos=True)
         self.audio_tokenizer = audio_tokenizer
         self.config = dict(checkpoint_config or {})
+        self.language_ids = self._language_ids(model, languages or self.config.get("languages"))
+
+    def _language_ids(self, model, languages) -> dict[str, int] | None:
+        """VALL-E X: espeak language -> id, checked against the model and the two languages."""
+        n = getattr(model, "num_languages", 0)
+        if not n:
+            return None
+        if isinstance(languages, str):
+            languages = [x.strip() for x in languages.split(",") if x.strip()]
+        if not languages:
+            raise InputError(
+                f"the model has --num-languages {n} but the checkpoint lists no 'languages': "
+                "pass --languages (e.g. en-us,cmn in training id order)"
+            )
+        if len(languages) > n:
+            raise InputError(f"--languages lists {len(languages)} languages, the model has {n}")
+        ids = {lang: i for i, lang in enumerate(languages)}
+        for flag, lang in (("--language", self.language), ("--prompt-language", self.prompt_language)):
+            if lang not in ids:
+                raise InputError(f"{flag} {lang}: not one of the model's languages {list(languages)}")
+        return ids
 
     def _phonemes(self, text: str, language: str, what: str, item: Item) -> list[str]:
         from valle.data.text import TextTokenizationError
@@ -373,6 +398,15 @@ class Synthesizer:
             torch.tensor(prompt_lens, device=self.device),
         )
 
+    def _text_languages(self, tokens: torch.Tensor, prompt_lens: torch.Tensor) -> torch.Tensor | None:
+        """Per-token language ids: BOS + the prompt's transcript in its language, the rest in --language."""
+        if self.language_ids is None:
+            return None
+        cols = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+        in_prompt = cols < (prompt_lens[:, None] + 1)
+        prompt_id, text_id = self.language_ids[self.prompt_language], self.language_ids[self.language]
+        return torch.where(in_prompt, prompt_id, text_id)
+
     def _prompt_codes(self, items: list[Item]):
         from valle.data.audio import load_audio_24k
 
@@ -409,15 +443,15 @@ class Synthesizer:
     ) -> list[torch.Tensor | Failure]:
         """One (N,) float waveform at 24 kHz per item, or a ``Failure`` for an item that has none."""
         text, text_lens, prompt_text_lens = self._text_tokens(items, continual)
+        langs = self._text_languages(text, prompt_text_lens)
         prompt, prompt_lens = self._prompt_codes(items)
         if continual:
-            codes, lens = self.model.continual(
-                text, text_lens, prompt, prompt_lens, return_lens=True
-            )
+            codes, lens = self.model.continual(text, text_lens, prompt, prompt_lens,
+                                               text_languages=langs, return_lens=True)  # fmt: skip
         else:
             codes, lens = self.model.inference(
                 text, text_lens, prompt, prompt_lens, prompt_text_lens=prompt_text_lens,
-                on_empty="mark", return_lens=True, **decode_kwargs,
+                text_languages=langs, on_empty="mark", return_lens=True, **decode_kwargs,
             )  # fmt: skip
         out: list[torch.Tensor | Failure] = []
         for b, item in enumerate(items):
@@ -511,7 +545,8 @@ def run(args: argparse.Namespace) -> RunResult:
     except FileNotFoundError as e:
         raise InputError(str(e)) from e
     synth = Synthesizer(model, table, audio_tokenizer, device, language=args.language,
-                        prompt_language=args.prompt_language, checkpoint_config=config)  # fmt: skip
+                        prompt_language=args.prompt_language, checkpoint_config=config,
+                        languages=args.languages)  # fmt: skip
     return synthesize_items(synth, items, args)
 
 

@@ -206,6 +206,12 @@ def test_lifeiteng_checkpoint_synthesises(setup, tmp_path, monkeypatch):
     import valle.data.audio as audio
 
     monkeypatch.setattr(audio, "AudioTokenizer", lambda *a, **k: FakeCodec())
+    try:  # the codec package (#13) picks the checkpoint's codec
+        import valle.codec as codec
+
+        monkeypatch.setattr(codec, "codec_for_checkpoint", lambda *a, **k: FakeCodec())
+    except ImportError:
+        pass
     rc = main(["--checkpoint", str(FIXTURE / "lifeiteng_tiny.pt"), "--text-tokens", str(table),
                "--text-prompts", "the dog", "--audio-prompts", str(prompt), "--text", "a fox",
                "--output-dir", str(tmp_path), "--top-k", "1", "--device", "cpu", "--dtype", "bfloat16"])  # fmt: skip

@@ -23,6 +23,7 @@ MODEL_DEFAULTS: dict[str, Any] = dict(
     norm_first=True, add_prenet=False, prefix_mode=1, share_embedding=True, prepend_bos=False,
     num_quantizers=8, num_text_tokens=512, dropout=0.1,
     tie_ar_head=False, nar_head_tie="lifeiteng", positions="interleaved", nar_position_scale="fixed",
+    num_languages=0,
 )  # fmt: skip
 
 # What the keys added after the first checkpoints meant before they existed: a config
@@ -85,6 +86,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-text-tokens", type=int, default=d["num_text_tokens"], help="text vocabulary size"
     )
     g.add_argument("--dropout", type=float, default=d["dropout"])
+    g.add_argument("--num-languages", type=int, default=d["num_languages"],
+                   help="VALL-E X: > 0 adds a language-ID embedding to the text (ids from the "
+                        "supervision's language, in the order of the config's 'languages')")  # fmt: skip
 
 
 def model_hparams(params: Any) -> dict[str, Any]:
@@ -100,6 +104,7 @@ def model_hparams(params: Any) -> dict[str, Any]:
         "prefix_mode",
         "num_quantizers",
         "num_text_tokens",
+        "num_languages",
     ):
         hp[k] = int(hp[k])
     hp["scale_factor"], hp["dropout"] = float(hp["scale_factor"]), float(hp["dropout"])

@@ -91,6 +91,7 @@ class _VALLEBase(nn.Module):
         nar_head_tie: str = "lifeiteng",
         positions: str = "interleaved",
         nar_position_scale: str = "fixed",
+        num_languages: int = 0,
     ):
         super().__init__()
         if prefix_mode not in (0, 1, 2, 4):
@@ -111,11 +112,14 @@ class _VALLEBase(nn.Module):
             share_embedding=share_embedding, prepend_bos=prepend_bos,
             num_quantizers=num_quantizers, num_text_tokens=num_text_tokens, dropout=dropout,
             tie_ar_head=tie_ar_head, nar_head_tie=nar_head_tie, positions=positions,
-            nar_position_scale=nar_position_scale,
+            nar_position_scale=nar_position_scale, num_languages=num_languages,
         )  # fmt: skip
         self.prefix_mode, self.num_quantizers = prefix_mode, num_quantizers
         self.share_embedding, self.prepend_bos = share_embedding, prepend_bos
         self.num_text_tokens = num_text_tokens
+        if num_languages < 0:
+            raise ValueError(f"--num-languages must be >= 0, got {num_languages}")
+        self.num_languages = num_languages
         d = decoder_dim
         nar_d = int(decoder_dim * scale_factor)
         nar_heads = max(1, int(nhead * scale_factor))
@@ -128,6 +132,8 @@ class _VALLEBase(nn.Module):
 
         # --- AR: text + codebook 0 (+ EOS, + BOS when prepended) ---
         self.ar_text_embedding = nn.Embedding(num_text_tokens, d)
+        # VALL-E X: a language-ID embedding added to every text token (its language).
+        self.ar_language_embedding = nn.Embedding(num_languages, d) if num_languages else None
         self.ar_audio_embedding = nn.Embedding(vocab + 1 + int(prepend_bos), d)
         self.ar_text_prenet = TextPrenet(d, dropout) if add_prenet else None
         self.ar_audio_prenet = AudioPrenet(d, dropout) if add_prenet else None
@@ -145,6 +151,9 @@ class _VALLEBase(nn.Module):
         # --- NAR: codebooks 1..Q-1 ---
         if num_quantizers > 1:
             self.nar_text_embedding = nn.Embedding(num_text_tokens, nar_d)
+            self.nar_language_embedding = (
+                nn.Embedding(num_languages, nar_d) if num_languages else None
+            )
             # One table per codebook, stacked so all Q lookups are one embedding call;
             # row 1024 (pad) exists so padded frames index safely (they are masked out).
             self.nar_audio_embedding = nn.Parameter(torch.randn(num_quantizers, vocab + 1, nar_d))
@@ -187,8 +196,36 @@ class _VALLEBase(nn.Module):
         return [(n, p) for n, p in named if n.startswith(prefix)]
 
     # --------------------------------------------------------------- embedding
-    def _ar_embed_text(self, text: torch.Tensor, text_valid: torch.Tensor) -> torch.Tensor:
+    def _languages(self, text: torch.Tensor, languages: torch.Tensor | None) -> torch.Tensor | None:
+        """Per-token language ids (B, S) from (B,) or (B, S); None for a model without them."""
+        if self.num_languages == 0:
+            if languages is not None:
+                raise ValueError("text_languages given to a model built with --num-languages 0")
+            return None
+        if languages is None:
+            raise ValueError(
+                f"this model has --num-languages {self.num_languages}: pass text_languages "
+                "(the language id of each row, or of each text token)"
+            )
+        languages = languages.to(device=text.device, dtype=torch.long)
+        if languages.dim() == 1:
+            languages = languages[:, None].expand(-1, text.shape[1])
+        if languages.shape != text.shape:
+            raise ValueError(
+                f"text_languages {tuple(languages.shape)} must be (B,) or like the text {tuple(text.shape)}"
+            )
+        if int(languages.min()) < 0 or int(languages.max()) >= self.num_languages:
+            raise ValueError(
+                f"language ids must be in [0, {self.num_languages}), got {languages.unique().tolist()}"
+            )
+        return languages
+
+    def _ar_embed_text(
+        self, text: torch.Tensor, text_valid: torch.Tensor, languages: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x = self.ar_text_embedding(text)
+        if self.ar_language_embedding is not None and languages is not None:
+            x = x + self.ar_language_embedding(languages)
         if self.ar_text_prenet is not None:
             x = self.ar_text_prenet(x, text_valid)
         pos = torch.arange(text.shape[1], device=text.device)
@@ -207,9 +244,12 @@ class _VALLEBase(nn.Module):
         weight = self.ar_audio_embedding.weight[: NUM_AUDIO_TOKENS + 1]
         return F.linear(h * self.ar_dim**-0.5, weight)
 
-    def _nar_embed_text(self, text: torch.Tensor) -> torch.Tensor:
+    def _nar_embed_text(self, text: torch.Tensor, languages: torch.Tensor | None = None) -> torch.Tensor:
         pos = torch.arange(text.shape[1], device=text.device)
-        return self.nar_text_position(self.nar_text_embedding(text), pos)
+        x = self.nar_text_embedding(text)
+        if self.nar_language_embedding is not None and languages is not None:
+            x = x + self.nar_language_embedding(languages)
+        return self.nar_text_position(x, pos)
 
     def _nar_embed_audio(self, codes: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
         """Sum over codebooks k of E_k(codes[..., k]) where ``use[b, t, k]``.
@@ -260,8 +300,12 @@ class _VALLEBase(nn.Module):
         sample_seeds: torch.Tensor | None = None,
         prompt_features: torch.Tensor | None = None,
         prompt_features_lens: torch.Tensor | None = None,
+        text_languages: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Summed cross entropy (AR + NAR) and detached sum metrics for this batch."""
+        """Summed cross entropy (AR + NAR) and detached sum metrics for this batch.
+
+        ``text_languages``: language ids (B,) or (B, S), required when --num-languages > 0.
+        """
         if train_stage not in (0, 1, 2):
             raise ValueError(f"train_stage must be 0, 1 or 2, got {train_stage}")
         self._check_inputs(text_tokens, text_tokens_lens, audio_features, audio_features_lens)
@@ -271,9 +315,10 @@ class _VALLEBase(nn.Module):
         metrics = {k: zero for k in ("ar_loss", "nar_loss", "ar_top10_correct", "ar_frames",
                                      "nar_top10_correct", "nar_frames")}  # fmt: skip
         text_valid = _lengths_to_valid(text_tokens_lens, text_tokens.shape[1])
+        langs = self._languages(text_tokens, text_languages)
         if train_stage in (0, 1):
             ar_loss, correct, frames = self._ar_loss(
-                text_tokens, text_valid, audio_features[..., 0], audio_features_lens
+                text_tokens, text_valid, audio_features[..., 0], audio_features_lens, langs
             )
             loss = loss + ar_loss
             metrics.update(ar_loss=ar_loss.detach(), ar_top10_correct=correct, ar_frames=frames)
@@ -281,7 +326,7 @@ class _VALLEBase(nn.Module):
             with self.nar_forward_context():
                 nar_loss, correct, frames = self._nar_loss(
                     text_tokens, text_valid, audio_features, audio_features_lens,
-                    sample_seeds, prompt_features, prompt_features_lens,
+                    sample_seeds, prompt_features, prompt_features_lens, langs,
                 )  # fmt: skip
             loss = loss + nar_loss
             metrics.update(nar_loss=nar_loss.detach(), nar_top10_correct=correct, nar_frames=frames)
@@ -309,7 +354,7 @@ class _VALLEBase(nn.Module):
             hit = (top10 == targets.unsqueeze(-1)).any(-1) & valid
             return loss, hit.sum().float(), valid.sum().float()
 
-    def _ar_loss(self, text, text_valid, codes0, audio_lens):
+    def _ar_loss(self, text, text_valid, codes0, audio_lens, langs=None):
         """Teacher-forced AR loss over codebook 0; the target after the last frame is EOS."""
         eos, bsz, t_max = NUM_AUDIO_TOKENS, codes0.shape[0], codes0.shape[1]
         y = codes0.masked_fill(~_lengths_to_valid(audio_lens, t_max), eos)
@@ -323,7 +368,7 @@ class _VALLEBase(nn.Module):
             inputs, targets, n_in = y, torch.cat([y[:, 1:], eos_col], dim=1), audio_lens
         in_valid = _lengths_to_valid(n_in, inputs.shape[1])
         targets = targets.masked_fill(~in_valid, IGNORE)
-        x = self._ar_embed_text(text, text_valid)
+        x = self._ar_embed_text(text, text_valid, langs)
         pos = torch.arange(inputs.shape[1], device=inputs.device)
         h = self._ar_core(x, text_valid, self._ar_embed_audio(inputs, pos), in_valid)
         return self._loss_and_top10(self._ar_logits(h), targets)
@@ -365,7 +410,9 @@ class _VALLEBase(nn.Module):
             target &= (t < start[:, None]) | (t >= start[:, None] + p[:, None])
         return packed, p, lens, target
 
-    def _nar_loss(self, text, text_valid, codes, audio_lens, sample_seeds, prompt, prompt_lens):
+    def _nar_loss(
+        self, text, text_valid, codes, audio_lens, sample_seeds, prompt, prompt_lens, langs=None
+    ):
         q = self.num_quantizers
         codes = codes[..., :q]
         bsz = codes.shape[0]
@@ -378,10 +425,14 @@ class _VALLEBase(nn.Module):
         audio_valid = _lengths_to_valid(lens, length)
         targets = packed.gather(2, stage[:, None, None].expand(-1, length, 1)).squeeze(2)
         targets = targets.masked_fill(~target_mask, IGNORE)
-        h = self._nar_hidden(text, text_valid, packed, p, audio_valid, stage, prompt_full=True)
+        h = self._nar_hidden(
+            text, text_valid, packed, p, audio_valid, stage, prompt_full=True, langs=langs
+        )
         return self._loss_and_top10(self._nar_head(h, stage), targets)
 
-    def _nar_hidden(self, text, text_valid, packed, p, audio_valid, stage, prompt_full: bool):
+    def _nar_hidden(
+        self, text, text_valid, packed, p, audio_valid, stage, prompt_full: bool, langs=None
+    ):
         """NAR decoder output over the audio columns for per-row stages ``stage``."""
         q = self.num_quantizers
         k = torch.arange(q, device=packed.device)
@@ -390,7 +441,7 @@ class _VALLEBase(nn.Module):
             cols = torch.arange(packed.shape[1], device=packed.device)
             use = use | (cols[None, :] < p[:, None])[..., None]
         use = use & audio_valid[..., None]
-        x = self._nar_embed_text(text)
+        x = self._nar_embed_text(text, langs)
         y = self._nar_embed_audio(packed, use)
         cond = self.nar_stage_embedding(stage - 1)
         return self._nar_core(x, text_valid, y, audio_valid, cond)
@@ -405,6 +456,7 @@ class _VALLEBase(nn.Module):
         prompt_lens: torch.Tensor | None = None,
         *,
         prompt_text_lens: torch.Tensor | None = None,
+        text_languages: torch.Tensor | None = None,
         top_k: int = -100,
         top_p: float = 1.0,
         temperature: float = 1.0,
@@ -428,6 +480,8 @@ class _VALLEBase(nn.Module):
         1..Q-1 greedily. Rows shorter than T are padded with 1024; ``return_lens=True``
         also returns lengths.
 
+        * ``text_languages`` (B,) or (B, S): language ids (--num-languages > 0); per token
+          for cross-lingual synthesis (the prompt's transcript in its own language).
         * ``prompt_text_lens`` (B,): tokens after BOS that belong to the prompt's
           transcript. Prefix modes 2 and 4 need it: their NAR was trained on the target
           text alone, so it is given BOS + the text to say + EOS (as in lifeiteng).
@@ -454,7 +508,11 @@ class _VALLEBase(nn.Module):
         if prompt_lens is None:
             prompt_lens = torch.full((bsz,), p_max, dtype=torch.long, device=device)
         prompt_codes = prompt_codes[..., : self.num_quantizers]
+        langs = self._languages(text_tokens, text_languages)
         nar_text, nar_text_lens = self._nar_text(text_tokens, text_tokens_lens, prompt_text_lens)
+        nar_langs = None
+        if langs is not None:
+            nar_langs = self._nar_text(langs, text_tokens_lens, prompt_text_lens)[0]
         n = num_candidates
         rep = (lambda t: t.repeat_interleave(n, dim=0)) if n > 1 else (lambda t: t)
         gen0, gen_lens, scores = self._ar_generate(
@@ -462,7 +520,7 @@ class _VALLEBase(nn.Module):
             top_k=top_k, top_p=top_p, temperature=temperature, max_len_ratio=max_len_ratio,
             use_kv_cache=use_kv_cache, seed=seed, force_len=force_len, stop_rule=stop_rule,
             want_scores=n > 1, repetition_aware=repetition_aware, ras_window=ras_window,
-            ras_threshold=ras_threshold,
+            ras_threshold=ras_threshold, langs=None if langs is None else rep(langs),
         )  # fmt: skip
         if n > 1:
             scores = scores.masked_fill(gen_lens == 0, float("-inf")).view(bsz, n)
@@ -477,7 +535,7 @@ class _VALLEBase(nn.Module):
                 "no audio to synthesise (untrained checkpoint, or text/prompt mismatch)"
             )
         codes = self._nar_generate(
-            nar_text, nar_text_lens, prompt_codes, prompt_lens, gen0, gen_lens
+            nar_text, nar_text_lens, prompt_codes, prompt_lens, gen0, gen_lens, nar_langs
         )
         return (codes, gen_lens) if return_lens else codes
 
@@ -511,6 +569,7 @@ class _VALLEBase(nn.Module):
         audio_features_lens: torch.Tensor | None = None,
         *,
         prompt_lens: torch.Tensor | None = None,
+        text_languages: torch.Tensor | None = None,
         return_lens: bool = False,
     ):
         """Codebook 0 from ground truth, the NAR predicts the rest.
@@ -531,15 +590,16 @@ class _VALLEBase(nn.Module):
         idx = (prompt_lens[:, None] + torch.arange(g_max, device=device)).clamp(max=t_max - 1)
         gen0 = audio_features[..., 0].gather(1, idx)
         gen0 = gen0.masked_fill(~_lengths_to_valid(gen_lens, g_max), NUM_AUDIO_TOKENS)
+        langs = self._languages(text_tokens, text_languages)
         codes = self._nar_generate(
-            text_tokens, text_tokens_lens, audio_features, prompt_lens, gen0, gen_lens
+            text_tokens, text_tokens_lens, audio_features, prompt_lens, gen0, gen_lens, langs
         )
         return (codes, gen_lens) if return_lens else codes
 
     def _ar_generate(
         self, text, text_lens, prompt0, prompt_lens, *, top_k, top_p, temperature,
         max_len_ratio, use_kv_cache, seed, force_len, stop_rule="argmax_or_sampled",
-        want_scores=False, repetition_aware=False, ras_window=10, ras_threshold=0.1,
+        want_scores=False, repetition_aware=False, ras_window=10, ras_threshold=0.1, langs=None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """Codebook 0 per row after its prompt: (codes (B, T), lengths (B,), scores or None).
 
@@ -582,7 +642,7 @@ class _VALLEBase(nn.Module):
         if seed is not None:
             generator = torch.Generator(device=device).manual_seed(int(seed))
 
-        x = self._ar_embed_text(text, text_valid)
+        x = self._ar_embed_text(text, text_valid, langs)
         caches: list[LayerCache] | None = None
         if use_kv_cache:
             own = width + max_new + (0 if self.cross_attention else text.shape[1])
@@ -650,7 +710,9 @@ class _VALLEBase(nn.Module):
         scores = score / counted.clamp(min=1) if want_scores else None
         return gen, lens, scores
 
-    def _nar_generate(self, text, text_lens, prompt, prompt_lens, gen0, gen_lens) -> torch.Tensor:
+    def _nar_generate(
+        self, text, text_lens, prompt, prompt_lens, gen0, gen_lens, langs=None
+    ) -> torch.Tensor:
         """Greedy NAR over codebooks 1..Q-1 after the AR (or ground-truth) codebook 0."""
         q, bsz = self.num_quantizers, gen0.shape[0]
         gen = gen0.new_full((bsz, gen0.shape[1], q), NUM_AUDIO_TOKENS)
@@ -668,7 +730,7 @@ class _VALLEBase(nn.Module):
         for j in range(1, q):
             stage = torch.full((bsz,), j, dtype=torch.long, device=packed.device)
             h = self._nar_hidden(
-                text, text_valid, packed, prompt_lens, audio_valid, stage, prompt_full
+                text, text_valid, packed, prompt_lens, audio_valid, stage, prompt_full, langs
             )
             pred = self._nar_head(h, stage).argmax(-1)
             packed[..., j] = torch.where(is_gen, pred, packed[..., j])
