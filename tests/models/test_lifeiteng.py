@@ -18,30 +18,31 @@ from valle.models.convert import CheckpointError, load_model_checkpoint
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "lifeiteng"
 
 
-@pytest.fixture(scope="module")
-def reference():
-    state, hp = load_model_checkpoint(FIXTURE / "lifeiteng_tiny.pt")
+# (variant, file suffix, (width, heads, layers, codebooks), frames lifeiteng generated)
+VARIANTS = {"valle": ("", (32, 4, 1, 4), 77), "vallf": ("_vallf", (16, 2, 1, 3), 40)}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def reference(request):
+    suffix, shape, frames = VARIANTS[request.param]
+    state, hp = load_model_checkpoint(FIXTURE / f"lifeiteng{suffix}_tiny.pt")
     model = get_model(hp).eval()
     model.load_state_dict(state)  # strict: every key converted, nothing left over
-    return model, hp, torch.load(FIXTURE / "expected.pt")
+    assert hp["model_name"] == request.param
+    return model, hp, torch.load(FIXTURE / f"expected{suffix}.pt"), shape, frames
 
 
 def test_hyper_parameters_come_from_the_checkpoint(reference):
-    _, hp, _ = reference
+    _, hp, _, shape, _ = reference
     assert hp["source_format"] == "lifeiteng"
-    assert (hp["decoder_dim"], hp["nhead"], hp["num_decoder_layers"], hp["num_quantizers"]) == (
-        32,
-        4,
-        1,
-        4,
-    )
-    assert hp["num_text_tokens"] == 512 and hp["model_name"] == "valle"
+    assert (hp["decoder_dim"], hp["nhead"], hp["num_decoder_layers"], hp["num_quantizers"]) == shape
+    assert hp["num_text_tokens"] == 512
     assert hp["share_embedding"] and not hp["tie_ar_head"] and hp["nar_head_tie"] == "lifeiteng"
     assert hp["positions"] == "interleaved" and hp["nar_position_scale"] == "fixed"
 
 
 def test_ar_loss_matches_lifeiteng(reference):
-    model, _, e = reference
+    model, _, e, _, _ = reference
     loss, metrics = model(e["ar_x"], e["ar_x_lens"], e["ar_y"], e["ar_y_lens"], train_stage=1)
     # lifeiteng's per-row (unpadded) sums; our padded batch ignores padding, so it equals them.
     torch.testing.assert_close(loss.detach(), e["ar_loss_rows"].sum(), rtol=1e-5, atol=1e-4)
@@ -49,14 +50,16 @@ def test_ar_loss_matches_lifeiteng(reference):
 
 @pytest.mark.parametrize("mode", [1, 2])
 def test_greedy_synthesis_matches_lifeiteng(reference, mode):
-    model, _, e = reference
+    model, _, e, shape, frames = reference
     model.prefix_mode = mode
     try:
         text = e["text"]
         codes = model.inference(text, torch.tensor([text.shape[1]]), e["prompt"],
                                 prompt_text_lens=e["enroll_x_lens"] - 2, top_k=1)  # fmt: skip
         expected = e[f"codes_prefix_mode_{mode}"]
-        assert codes.shape == expected.shape == (1, 77, 4)  # stopped on EOS, as lifeiteng did
+        assert (
+            codes.shape == expected.shape == (1, frames, shape[3])
+        )  # stopped on EOS, as lifeiteng
         assert torch.equal(codes, expected)
         if mode == 2:
             # The match needs the NAR text fix: with the prompt's transcript left in, it differs.
