@@ -59,8 +59,21 @@ def make_ljspeech(root: Path, rows: list[tuple[str, str]], sr: int = 22050) -> P
     return corpus
 
 
-def run_recipe(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def start_recipe(script: str, *args: str) -> subprocess.Popen:
+    """A recipe run in the background (tests overlap the two corpora on two cores)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(["bash", str(ROOT / script), "--python", sys.executable, *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc
+    return subprocess.Popen(["bash", str(ROOT / script), "--python", sys.executable, *args], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_recipe(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return proc.returncode, out, err
+
+
+def run_recipe(script: str, *args: str, timeout: float = 240) -> tuple[int, str, str]:
+    return finish_recipe(start_recipe(script, *args), timeout)

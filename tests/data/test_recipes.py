@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from data_testlib import make_libritts, make_ljspeech, run_recipe
+from data_testlib import finish_recipe, make_libritts, make_ljspeech, run_recipe, start_recipe
 
 from valle.data.validation import ValidationReport
 
@@ -50,20 +50,44 @@ def _inject_manifest_problems(man: Path) -> dict:
             "cross_part": sups[3]["id"]}
 
 
+LJ_ROWS = [("Printing, in 1839, was new.", "Printing, in eighteen thirty-nine, was new."),
+           ("He left.", "He left."), ("It was Mr. Lee.", "It was Mister Lee."),
+           ("The end came.", "The end came."), ("Then rain.", "Then rain.")]
+
+
 @pytest.fixture(scope="module")
-def libritts(tmp_path_factory):
+def recipes(tmp_path_factory):
+    """Both recipes, as a user runs them; LJSpeech in the background while LibriTTS runs."""
+    lj_root = tmp_path_factory.mktemp("ljspeech")
+    lj_corpus = make_ljspeech(lj_root, LJ_ROWS)
+    lj = start_recipe("egs/ljspeech/prepare.sh", "--data-dir", str(lj_root / "data"), "--corpus-dir",
+                      str(lj_corpus), "--num-jobs", "0", "--num-dev", "1", "--num-test", "1",
+                      "--extra-tokenizer-flags", TOKENIZER_FLAGS)
     root = tmp_path_factory.mktemp("libritts")
     corpus = make_libritts(root, PARTS)
     data = root / "data"
     common = ["--data-dir", str(data), "--corpus-dir", str(corpus), "--dataset-parts", " ".join(PARTS),
               "--num-jobs", "1", "--extra-tokenizer-flags", TOKENIZER_FLAGS]
-    first = run_recipe("egs/libritts/prepare.sh", *common, "--stage", "0", "--stop-stage", "1")
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "no download" in first.stdout
+    rc, out, err = run_recipe("egs/libritts/prepare.sh", *common, "--stage", "0", "--stop-stage", "1")
+    assert rc == 0, err[-3000:]
+    assert "no download" in out
     injected = _inject_manifest_problems(data / "manifests")
-    rest = run_recipe("egs/libritts/prepare.sh", *common, "--stage", "2", "--stop-stage", "5")
-    assert rest.returncode == 0, rest.stdout[-3000:] + rest.stderr[-3000:]
-    return data, rest.stdout + rest.stderr, injected
+    rc, out, err = run_recipe("egs/libritts/prepare.sh", *common, "--stage", "2", "--stop-stage", "5",
+                              "--shar-shard-size", "2")
+    assert rc == 0, out[-3000:] + err[-3000:]
+    lj_rc, lj_out, lj_err = finish_recipe(lj)
+    assert lj_rc == 0, lj_out[-3000:] + lj_err[-3000:]
+    return {"libritts": (data, out + err, injected), "ljspeech": (lj_root / "data", LJ_ROWS, lj_out + lj_err)}
+
+
+@pytest.fixture(scope="module")
+def libritts(recipes):
+    return recipes["libritts"]
+
+
+@pytest.fixture(scope="module")
+def ljspeech(recipes):
+    return recipes["ljspeech"]
 
 
 def test_libritts_recipe_runs_every_stage(libritts):
@@ -82,7 +106,8 @@ def test_libritts_recipe_runs_every_stage(libritts):
     for name in ("dev", "test"):
         assert len(CutSet.from_file(tok / f"libritts_cuts_{name}.jsonl.gz")) == 2
     assert "libritts_cuts_train.jsonl.gz: 7 cuts" in log  # stage 4
-    assert sorted(p.name for p in (data / "shar" / "train").iterdir()) == ["cuts.000000.jsonl.gz", "features.000000.tar"]
+    shar = sorted(p.name for p in (data / "shar" / "train").iterdir())
+    assert shar == [f"{k}.{i:06d}.{ext}" for k, ext in (("cuts", "jsonl.gz"), ("features", "tar")) for i in range(4)]
     # codes go to one HDF5 file per chunk, not one file per cut
     assert sorted(p.name for p in (tok / "libritts_encodec_train-clean-100").iterdir()) == ["chunk-000000.h5", "chunk-000001.h5"]
 
@@ -108,21 +133,6 @@ def test_text_stats_are_stored_next_to_the_manifests(libritts):
     assert "en-us" in total["languages"] and "per language (espeak voice)" in log
 
 
-@pytest.fixture(scope="module")
-def ljspeech(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ljspeech")
-    rows = [("Printing, in 1839, was new.", "Printing, in eighteen thirty-nine, was new."),
-            ("He left.", "He left."), ("It was Mr. Lee.", "It was Mister Lee."),
-            ("The end came.", "The end came."), ("Then rain.", "Then rain.")]
-    corpus = make_ljspeech(root, rows)
-    data = root / "data"
-    proc = run_recipe("egs/ljspeech/prepare.sh", "--data-dir", str(data), "--corpus-dir", str(corpus),
-                      "--num-jobs", "0", "--num-dev", "1", "--num-test", "1",
-                      "--extra-tokenizer-flags", TOKENIZER_FLAGS)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return data, rows, proc.stdout + proc.stderr
-
-
 def test_ljspeech_recipe_resamples_cuts_and_reads_normalized_text(ljspeech):
     from lhotse import CutSet
     from lhotse.qa import validate
@@ -143,3 +153,33 @@ def test_ljspeech_recipe_resamples_cuts_and_reads_normalized_text(ljspeech):
     assert cut.supervisions[0].custom["tokens"]["text"] == tokenizer.phonemize_one(rows[0][1]).symbols
     assert cut.supervisions[0].custom["tokens"]["text"] != tokenizer.phonemize_one(rows[0][0]).symbols
     assert "ljspeech_cuts_train.jsonl.gz: 3 cuts" in log
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_two_ranks_train_from_shar_shards_and_see_every_cut_once_per_epoch(libritts, tmp_path):
+    from lhotse import CutSet
+
+    from valle.train.harness import run_world
+    from valle.train.scenarios import TINY_MODEL, train_worker
+
+    data, _, _ = libritts
+    exp = tmp_path / "exp"
+    argv = [*TINY_MODEL, "--shar-dir", str(data / "shar" / "train"), "--manifest-dir", str(data / "tokenized"),
+            "--dataset", "libritts", "--exp-dir", str(exp), "--num-epochs", "2", "--max-duration", "2.5",
+            "--num-workers", "2", "--log-trained-cuts", "true", "--train-stage", "1",
+            "--valid-interval", "1000", "--save-every-n", "1000"]
+    results = run_world(train_worker, 2, argv, timeout=240)
+    assert all(r[0] == "ok" and r[1]["ok"] for r in results), "\n".join(str(x) for r in results for x in r)
+    expected = sorted(c.id for c in CutSet.from_file(data / "tokenized" / "libritts_cuts_train.jsonl.gz"))
+    rows = []
+    for rank in range(2):
+        for line in (exp / f"trained-cuts-rank{rank}.tsv").read_text().splitlines():
+            step, ids = line.split("\t")
+            rows += [(int(step), cut_id) for cut_id in ids.split(",") if cut_id]
+    epoch1_steps = json.loads((exp / "epoch-1-summary-rank0.json").read_text())["steps"]
+    for epoch in (1, 2):
+        seen = sorted(c for step, c in rows if (step < epoch1_steps) == (epoch == 1))  # steps count from 0
+        assert seen == expected, f"epoch {epoch}"
+    # both ranks trained (shards are dealt per rank and per worker)
+    assert all((exp / f"trained-cuts-rank{r}.tsv").read_text().strip() for r in range(2))

@@ -147,6 +147,7 @@ class TtsDataModule:
         if getattr(args, "max_text_tokens", None) == "auto":
             resolve_max_text_tokens(args)
         self.filter_report = V.ValidationReport()
+        self._kept: dict[str, int] = {}  # cuts the filters kept, per part
         self._train_loader: ResumableLoader | None = None
 
     @classmethod
@@ -173,6 +174,10 @@ class TtsDataModule:
         g.add_argument("--drop-last", type=_str2bool, default=False)
         g.add_argument("--num-workers", type=int, default=2)
         g.add_argument("--max-prompt-duration", type=float, default=3.0)
+        g.add_argument("--shar-dir", default=None,
+                       help="train from Lhotse Shar shards in this directory (comma-separated for "
+                            "several), dealt per rank and per DataLoader worker; validation still "
+                            "reads {manifest-dir}/{dataset}_cuts_{valid-part}")
 
     # ---- helpers -----------------------------------------------------------
     def _arg(self, name: str, default: Any = None) -> Any:
@@ -227,6 +232,7 @@ class TtsDataModule:
                            report.counts)
         V.raise_if_nothing_left(len(keep_ids), report, lo, hi, what=f"cuts of {self.args.dataset} {part}")
         self.filter_report.extend(report)
+        self._kept[part] = len(keep_ids)
         return cuts.filter(_KeepIds(keep_ids))
 
     def _loader(self, part: str, rank: int, world_size: int, shuffle: bool, drop_last: bool,
@@ -240,8 +246,11 @@ class TtsDataModule:
         cuts = self.load_cuts(part)
         seed = int(self._arg("seed", 0) or 0)
         constraint = self.constraint()
+        # lhotse refuses more buckets than cuts (a small dev set); one bucket below two cuts.
+        buckets = min(self.args.num_buckets, self._kept[part])
+        bucketing = {"num_buckets": buckets} if buckets >= 2 else {"duration_bins": [1e9]}
         sampler = DynamicBucketingSampler(
-            cuts, constraint=constraint, num_buckets=self.args.num_buckets, shuffle=shuffle,
+            cuts, constraint=constraint, **bucketing, shuffle=shuffle,
             drop_last=drop_last, buffer_size=self.args.buffer_size, seed=seed,
             world_size=world_size, rank=rank,
         )
@@ -253,12 +262,51 @@ class TtsDataModule:
         return ResumableLoader(dataset, BudgetedSampler(sampler, constraint), self.args.num_workers,
                                world_size, rank, seed)
 
+    def _shar_loader(self, rank: int, world_size: int):
+        from valle.data.collation import get_text_token_collater
+        from valle.data.dataset import SpeechSynthesisDataset
+        from valle.data.shar import SharLoader, SharTrainSet, _ReportingFilter, find_shards
+
+        if self._prompts():
+            raise ValueError("--prefix-mode 4 needs a cut manifest for its prompt index: "
+                             "train it from --manifest-dir, not --shar-dir")
+        shards = find_shards(self.args.shar_dir)
+        seed = int(self._arg("seed", 0) or 0)
+        constraint = self.constraint()
+        flags = (f"--max-duration {self.args.max_duration:g} / --max-text-tokens "
+                 f"{self._arg('max_text_tokens')}")
+        data = SharTrainSet(
+            shards, SpeechSynthesisDataset(get_text_token_collater(self.text_tokens_path())), constraint,
+            rank, world_size, seed, self.args.shuffle, self.args.num_buckets, self.args.buffer_size,
+            _ReportingFilter(self.args.filter_min_duration, self.args.filter_max_duration, constraint, flags),
+        )
+        logger.info("training from %d Shar shard(s) in %s; rank %d of %d reads every %d-th",
+                    len(shards), self.args.shar_dir, rank, world_size,
+                    world_size * max(1, self.args.num_workers))
+        return SharLoader(data, self.args.num_workers, world_size, rank, seed)
+
+    def scan_batches(self, rank: int, world_size: int):
+        """(cut batches of this rank's first epoch, the dataset that collates them): the
+        pessimistic-batch scan walks these without training."""
+        if self._arg("shar_dir"):
+            loader = self._shar_loader(rank, world_size)
+            return loader.data.cut_batches(), loader.dataset
+        scan = self._loader(self._arg("train_part", "train"), rank, world_size, shuffle=False,
+                            drop_last=False, prompts=self._prompts())
+        return scan.sampler, scan.dataset
+
     def _prompts(self) -> bool:
         return int(self._arg("prefix_mode", 0) or 0) == 4
 
     # ---- public API --------------------------------------------------------
     def train_dataloader(self, rank: int = 0, world_size: int = 1,
                          sampler_state: dict[str, Any] | None = None) -> ResumableLoader:
+        if self._arg("shar_dir"):
+            loader = self._shar_loader(rank, world_size)
+            if sampler_state is not None:
+                loader.load_state_dict(sampler_state)
+            self._train_loader = loader
+            return loader
         loader = self._loader(self._arg("train_part", "train"), rank, world_size,
                               shuffle=self.args.shuffle, drop_last=self.args.drop_last,
                               prompts=self._prompts())

@@ -1,0 +1,169 @@
+"""Training from Lhotse Shar shards (``--shar-dir``): no global manifest in memory.
+
+Shards (``cuts.NNNNNN.jsonl.gz`` + ``features.NNNNNN.tar``, written by ``bin/tokenizer.py
+--shar-dir`` or ``python -m valle.data.recipe shar``) are dealt to (rank, DataLoader worker)
+slots: every epoch the shard list is shuffled with (seed, epoch), identically on every rank,
+and slot ``rank * workers + worker`` takes every ``world_size * workers``-th shard. Each shard
+is read by exactly one slot, so every cut is seen once per epoch. Inside a slot a
+``DynamicBucketingSampler`` (world size 1) and the text-token budget make the batches.
+Ranks may end up with different numbers of batches; the trainer lets a dry rank step with
+an empty gradient (docs/oom.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from valle.data import validation as V
+
+logger = logging.getLogger(__name__)
+
+
+class SharError(FileNotFoundError):
+    """A --shar-dir that holds no usable shards (one line naming the directory)."""
+
+
+def find_shards(shar_dirs: str) -> list[dict[str, str]]:
+    """``[{"cuts": path, "features": path}, ...]`` from comma-separated Shar directories."""
+    shards = []
+    for d in [Path(x) for x in str(shar_dirs).split(",") if x.strip()]:
+        if not d.is_dir():
+            raise SharError(f"--shar-dir {d}: no such directory")
+        cuts = sorted(p for p in d.iterdir() if p.name.startswith("cuts.") and ".jsonl" in p.name)
+        feats = sorted(p for p in d.iterdir() if p.name.startswith("features.") and ".tar" in p.name)
+        if not cuts:
+            raise SharError(f"--shar-dir {d}: no cuts.*.jsonl.gz shards (export with bin/tokenizer.py --shar-dir)")
+        if len(cuts) != len(feats):
+            raise SharError(f"--shar-dir {d}: {len(cuts)} cuts shards but {len(feats)} features shards")
+        shards += [{"cuts": str(c), "features": str(f)} for c, f in zip(cuts, feats)]
+    return shards
+
+
+class _ReportingFilter:
+    """Duration and single-cut budget filter; every removed cut gets a log line (no global
+    first pass here: that would read the whole corpus on every rank)."""
+
+    def __init__(self, lo: float, hi: float, constraint, flags: str) -> None:
+        self.lo, self.hi, self.constraint, self.flags = lo, hi, constraint, flags
+
+    def __call__(self, cut) -> bool:
+        bad = V.check_duration(cut.duration, self.lo, self.hi)
+        if bad is None and not self.constraint.single_fits(cut):
+            bad = ("exceeds_batch_budget", f"{cut.duration:.2f}s / {self.constraint.text_length(cut)} "
+                                           f"text tokens do not fit {self.flags}")
+        if bad is not None:
+            logger.warning("cut %s removed: %s (%s)", cut.id, *bad)
+        return bad is None
+
+
+class SharTrainSet(torch.utils.data.IterableDataset):
+    """Yields collated batches of this rank's share of the shards (split again per worker)."""
+
+    def __init__(self, shards: list[dict[str, str]], dataset, constraint, rank: int, world_size: int,
+                 seed: int, shuffle: bool, num_buckets: int, buffer_size: int, cut_filter) -> None:
+        super().__init__()
+        self.shards, self.dataset, self.constraint = shards, dataset, constraint
+        self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
+        self.num_buckets, self.buffer_size, self.cut_filter = num_buckets, buffer_size, cut_filter
+        self.epoch = 0
+
+    def shards_for(self, worker: int, num_workers: int) -> list[dict[str, str]]:
+        order = list(range(len(self.shards)))
+        if self.shuffle:
+            random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        slot, slots = self.rank * num_workers + worker, self.world_size * num_workers
+        return [self.shards[i] for i in order[slot::slots]]
+
+    def cut_batches(self, worker: int = 0, num_workers: int = 1, with_features: bool = True) -> Iterator:
+        from lhotse import CutSet
+        from lhotse.dataset import DynamicBucketingSampler
+
+        from valle.data.sampling import BudgetedSampler
+
+        mine = self.shards_for(worker, num_workers)
+        if not mine:
+            return
+        fields = {"cuts": [s["cuts"] for s in mine]}
+        if with_features:
+            fields["features"] = [s["features"] for s in mine]
+        cuts = CutSet.from_shar(fields=fields).filter(self.cut_filter)
+        sampler = DynamicBucketingSampler(
+            cuts, constraint=self.constraint.copy(), duration_bins=self._duration_bins(fields["cuts"]),
+            shuffle=self.shuffle, drop_last=False,
+            buffer_size=self.buffer_size, seed=self.seed + self.epoch, world_size=1, rank=0,
+        )
+        sampler.set_epoch(self.epoch)
+        yield from BudgetedSampler(sampler, self.constraint)
+
+    def _duration_bins(self, cuts_paths: list[str], sample: int = 10_000) -> list[float]:
+        """Bucket edges from the first ``sample`` cuts of these shards (metadata only). A slot
+        may hold fewer cuts than --num-buckets, which lhotse's own estimate refuses."""
+        from itertools import islice
+
+        from lhotse import CutSet
+        from lhotse.dataset.sampling.dynamic_bucketing import estimate_duration_buckets
+
+        head = list(islice(CutSet.from_shar(fields={"cuts": cuts_paths}), sample))
+        buckets = min(self.num_buckets, len(head))
+        if buckets < 2:
+            return [1e9]  # one bucket holds everything
+        return sorted(set(estimate_duration_buckets(head, buckets, self.constraint)))
+
+    def __iter__(self) -> Iterator[dict]:
+        info = torch.utils.data.get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for cuts in self.cut_batches(worker, num_workers):
+            yield self.dataset[cuts]
+
+
+class SharLoader:
+    """The trainer's loader over Shar shards; same API as ``ResumableLoader``. A mid-epoch
+    resume replays the epoch's first ``batches_consumed`` batches without training them."""
+
+    def __init__(self, data: SharTrainSet, num_workers: int, world_size: int, rank: int, seed: int) -> None:
+        from valle.data.datamodule import STATE_FORMAT
+
+        self.data, self.num_workers = data, num_workers
+        self.world_size, self.rank, self.seed = world_size, rank, seed
+        self.epoch = 0
+        self.batches_consumed = 0
+        self.format = STATE_FORMAT
+
+    @property
+    def dataset(self):
+        return self.data.dataset
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.batches_consumed = 0
+        self.epoch = epoch
+        self.data.epoch = epoch
+
+    def __iter__(self) -> Iterator[dict]:
+        loader = torch.utils.data.DataLoader(self.data, batch_size=None, num_workers=self.num_workers)
+        skip = self.batches_consumed
+        for i, batch in enumerate(loader):
+            if i < skip:
+                continue
+            self.batches_consumed = i + 1
+            yield batch
+        self.batches_consumed = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"format": self.format, "epoch": self.epoch, "batches_consumed": self.batches_consumed,
+                "world_size": self.world_size, "rank": self.rank, "seed": self.seed, "shar": True}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("world_size") != self.world_size or state.get("seed") != self.seed:
+            raise ValueError(
+                f"sampler state was saved with world size {state.get('world_size')} and --seed "
+                f"{state.get('seed')}; this run has {self.world_size} and {self.seed}: Shar shards are "
+                "dealt per rank, so resume mid-epoch with the same ones (or from an epoch-N.pt checkpoint)")
+        self.set_epoch(state["epoch"])
+        self.batches_consumed = state["batches_consumed"]
