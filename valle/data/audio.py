@@ -287,10 +287,11 @@ def _register():
     class EncodecCodes(FeatureExtractor):
         """EnCodec codes as lhotse features: (T, 8) int16 at 75 frames/s.
 
-        Store them with a writer that keeps integers exactly (``NumpyFilesWriter``); lilcom
-        writers are lossy float compressors. lhotse's own pipeline requires the recording's
-        rate times 320/24000 to be an integer (true for 22.05, 24, 44.1, 48 kHz);
-        ``encode_cut_batch`` has no such limit.
+        Store them with a writer that keeps integers exactly (``NumpyHdf5Writer``, as
+        bin/tokenizer.py does, or ``NumpyFilesWriter``); lilcom writers are lossy float
+        compressors. lhotse's own pipeline requires the recording's rate times 320/24000 to
+        be an integer (true for 22.05, 24, 44.1, 48 kHz); bin/tokenizer.py resamples cuts to
+        24 kHz first and ``encode_cut_batch`` has no such limit.
         """
 
         name = "encodec"
@@ -326,31 +327,31 @@ def _register():
 EncodecConfig, EncodecCodes = _register()
 
 
-def encode_cut_batch(cuts, tokenizer: AudioTokenizer, storage, wavs: Sequence[torch.Tensor]):
-    """Encode already-loaded 24 kHz waveforms of ``cuts``, write (T, 8) int16 codes to ``storage``
-    and return the cuts with a ``Features`` manifest attached (sampling_rate 24 kHz, so the
-    320-sample hop is exact whatever the recording's rate)."""
+def store_codes(cut, codes: torch.Tensor, storage, codec=None):
+    """Write one cut's (Q, T) codes through a lhotse writer (int16, exact) and return the cut
+    with a ``Features`` manifest: ``codec``'s rate and hop (EnCodec's by default), frames
+    fitted to lhotse's count for the cut's duration. Any codec with the ``AudioTokenizer``
+    attributes plugs in here."""
     from lhotse.features.base import Features
     from lhotse.utils import compute_num_frames, fastcopy
 
-    out = []
-    for cut, codes in zip(cuts, tokenizer.encode_batch(wavs)):
-        n = compute_num_frames(cut.duration, FRAME_SHIFT, SAMPLE_RATE)
-        arr = fit_frames(codes.T.numpy().astype(np.int16), n)
-        key = storage.write(cut.id, arr)
-        feats = Features(
-            recording_id=cut.recording_id,
-            channels=cut.channel,
-            start=cut.start,
-            duration=cut.duration,
-            type=EncodecCodes.name,
-            num_frames=n,
-            num_features=NUM_QUANTIZERS,
-            frame_shift=FRAME_SHIFT,
-            sampling_rate=SAMPLE_RATE,
-            storage_type=storage.name,
-            storage_path=str(storage.storage_path),
-            storage_key=key,
-        )
-        out.append(fastcopy(cut, features=feats))
-    return out
+    rate = codec.sample_rate if codec is not None else SAMPLE_RATE
+    hop = codec.hop_length if codec is not None else HOP_LENGTH
+    name = getattr(codec, "name", EncodecCodes.name) if codec is not None else EncodecCodes.name
+    frame_shift = hop / rate
+    n = compute_num_frames(cut.duration, frame_shift, rate)
+    arr = fit_frames(codes.T.cpu().numpy().astype(np.int16), n)
+    key = storage.write(cut.id, arr)
+    feats = Features(
+        recording_id=cut.recording_id, channels=cut.channel, start=cut.start, duration=cut.duration,
+        type=name, num_frames=n, num_features=arr.shape[1], frame_shift=frame_shift,
+        sampling_rate=rate, storage_type=storage.name, storage_path=str(storage.storage_path),
+        storage_key=key,
+    )
+    return fastcopy(cut, features=feats)
+
+
+def encode_cut_batch(cuts, tokenizer: AudioTokenizer, storage, wavs: Sequence[torch.Tensor]):
+    """Encode already-loaded waveforms of ``cuts`` (at the codec's rate), write their codes to
+    ``storage`` and return the cuts with ``Features`` attached (see ``store_codes``)."""
+    return [store_codes(cut, codes, storage, tokenizer) for cut, codes in zip(cuts, tokenizer.encode_batch(wavs))]

@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from valle.data import validation as V
@@ -289,13 +288,9 @@ class PartTokenizer:
     def encode_chunk(self, cuts: list, storage_path: Path, report: V.ValidationReport,
                      progress: Progress) -> list:
         from lhotse import NumpyHdf5Writer
-        from lhotse.features.base import Features
-        from lhotse.utils import compute_num_frames, fastcopy
 
-        from valle.data.audio import EncodecCodes, fit_frames
+        from valle.data.audio import store_codes
 
-        codec = self.codec
-        frame_shift = codec.hop_length / codec.sample_rate
         loader = torch.utils.data.DataLoader(
             AudioLoadDataset(cuts), batch_sampler=duration_batches(cuts, self.opts.batch_duration),
             num_workers=self.opts.num_workers, collate_fn=_first,
@@ -309,20 +304,9 @@ class PartTokenizer:
                 for i, wav, reason, detail in batch:
                     if wav is None:
                         report.add(cuts[i].id, reason, detail)
-                codes = codec.encode_batch([wav for _i, wav in ok])
+                codes = self.codec.encode_batch([wav for _i, wav in ok])
                 for (i, _wav), c in zip(ok, codes):
-                    cut = cuts[i]
-                    n = compute_num_frames(cut.duration, frame_shift, codec.sample_rate)
-                    arr = fit_frames(c.T.numpy().astype(np.int16), n)
-                    key = writer.write(cut.id, arr)
-                    feats = Features(
-                        recording_id=cut.recording_id, channels=cut.channel, start=cut.start,
-                        duration=cut.duration, type=EncodecCodes.name, num_frames=n,
-                        num_features=codec.num_quantizers, frame_shift=frame_shift,
-                        sampling_rate=codec.sample_rate, storage_type=writer.name,
-                        storage_path=str(writer.storage_path), storage_key=key,
-                    )
-                    done[i] = fastcopy(cut, features=feats)
+                    done[i] = store_codes(cuts[i], c, writer, self.codec)
                 progress.update(len(batch), sum(cuts[i].duration for i, _w in ok))
         return [done[i] for i in sorted(done)]  # manifest order
 

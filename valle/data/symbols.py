@@ -1,7 +1,11 @@
 """Symbol tables in k2's text format (``symbol id`` per line, ``<eps> 0`` first).
 
 k2 and icefall are not required: this module reads and writes the same file
-format so tables stay interchangeable with lifeiteng/vall-e and icefall recipes.
+format, so k2/icefall tools can read our tables and we can read theirs. The *ids* are
+ours: ``<pad> <bos> <eos>`` are reserved at 1-3 and the phonemes follow (sorted per part,
+in the order parts finish when jobs run in parallel), and our phonemes differ from
+lifeiteng/vall-e's (punctuation handling, tone marks kept inside phonemes), so a table or
+checkpoint from that project cannot be swapped in id for id.
 """
 
 from __future__ import annotations
