@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test lint bench gpu-check clean
+.PHONY: install demo test lint bench gpu-check oom-sweep clean
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ lint: install
 
 bench: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash scripts/bench.sh
+
+# Fail every kind of allocation of a step, SQLite-style; tables into docs/oom.md.
+oom-sweep: install
+	$(PY) scripts/oom_sweep.py
 
 # Every GPU check in one run; results under $$OUT (or ./out) and in docs/benchmarks.md form.
 gpu-check:

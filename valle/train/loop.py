@@ -198,7 +198,7 @@ def train_epochs(run: Run) -> TrainSummary:
     logger.info("done: %d steps, last logged loss %.4f; checkpoints, logs and TensorBoard in %s",
                 run.step, summary.final_loss, run.cfg.exp_dir)
     summary.steps = run.step
-    summary.fingerprints = run.stepper.fingerprints()
+    run.stepper.local("summary", lambda: summary.fingerprints.update(run.stepper.fingerprints()))
     summary.model_state = run.model.state_dict()
     write_json(run.cfg.exp_dir / f"summary-rank{run.ctx.rank}.json", summary.to_json())
     return summary
@@ -405,7 +405,9 @@ def log_progress(run: Run, totals: MetricsTracker, meter: ThroughputMeter) -> No
     values = totals.normalized()
     lr = run.scheduler.get_last_lr()[0]
     scale = run.scaler.get_scale() if run.scaler is not None and run.scaler.is_enabled() else None
-    total = run.cfg.max_steps or run.data.steps_hint(run.cfg.num_epochs) or (
+    with run.stepper.faults.host_work():  # the sampler's length: host work
+        hint = run.data.steps_hint(run.cfg.num_epochs)
+    total = run.cfg.max_steps or hint or (
         run.steps_per_epoch * run.cfg.num_epochs if run.steps_per_epoch else 0)
     eta = meter.eta(run.step, total) if total else "? (known after the first epoch)"
     memory = torch.cuda.max_memory_allocated(run.ctx.device) / 2**20 if run.ctx.device.type == "cuda" else 0.0
@@ -441,8 +443,9 @@ def log_trained_cuts(run: Run, result: StepResult) -> None:
 
 def close_epoch(run: Run, epoch: int, account: EpochAccount) -> dict[str, Any]:
     """Per-epoch summary across ranks: cuts drawn = trained + quarantined + skipped."""
-    counts = run.stepper.reduce_counts([account.drawn, account.trained, len(account.quarantined),
-                                        len(account.skipped), account.ooms])
+    with run.stepper.faults.phase_scope("epoch_end"):
+        counts = run.stepper.reduce_counts([account.drawn, account.trained, len(account.quarantined),
+                                            len(account.skipped), account.ooms])
     drawn, trained, quarantined, skipped, ooms = (int(x) for x in counts)
     retries = account.retries  # every rank retries together: the local count is the global one
     record = {"epoch": epoch, "steps": account.steps, "cuts_drawn": drawn, "cuts_trained": trained,
@@ -464,9 +467,9 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def write_census(path: Path, faults: FaultInjector, rank: int) -> None:
-    """The allocation census of the sweep's dry run: per step, (phase, op) -> count."""
-    census = {str(step): [[phase, op, n] for (phase, op), n in sorted(counter.items())]
-              for step, counter in (faults.census or {}).items()}
+    """The allocation census of the sweep's dry run: per step, every (phase, op) in order."""
+    census = {str(step): [list(entry) for entry in entries]
+              for step, entries in (faults.census or {}).items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{path}.rank{rank}").write_text(json.dumps(census))
 

@@ -25,7 +25,6 @@ import logging
 import os
 import signal
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -125,7 +124,7 @@ class FaultInjector:
         self.fired: list[tuple[str, int, int]] = []  # (phase, step, attempt), for tests and logs
         self.alloc_specs = [s for s in self.specs if s.phase == "alloc"]
         self.allocations = 0  # allocating ops counted in the current step window
-        self.census: dict[int, Counter] | None = None  # step -> Counter((phase, op)); see count_allocations
+        self.census: dict[int, list[tuple[str, str]]] | None = None  # step -> [(phase, op)]
         self._host_depth = 0
         self._error_phase: str | None = None
         self._mode: _AllocationMode | None = None
@@ -143,8 +142,10 @@ class FaultInjector:
 
     @contextmanager
     def phase_scope(self, phase: str) -> Iterator[None]:
-        """Name what the trainer is doing (for OOM reports and the allocation census)."""
-        previous, self.phase = self.phase, phase
+        """Name what the trainer is doing (for OOM reports and the allocation census).
+        Nested inside loop-level work the name says both ("validate/forward")."""
+        previous = self.phase
+        self.phase = phase if previous in ("idle", phase) else f"{previous}/{phase}"
         try:
             yield
         except BaseException:
@@ -170,7 +171,8 @@ class FaultInjector:
             self._host_depth -= 1
 
     def count_allocations(self) -> None:
-        """Record every allocating op per step, by (phase, op) (the sweep's dry run)."""
+        """Record every allocating op of every step, in order, as (phase, op): the
+        sweep's dry run, whose positions N the sweep then fails one by one."""
         self.census = {}
 
     def start(self) -> None:
@@ -189,7 +191,7 @@ class FaultInjector:
             return
         self.allocations += 1
         if self.census is not None:
-            self.census.setdefault(self.step, Counter())[(self.phase, op_name)] += 1
+            self.census.setdefault(self.step, []).append((self.phase, op_name))
         for spec in self.alloc_specs:
             if (spec.step == self.step and spec.nth == self.allocations
                     and ("alloc", self.step, spec.nth) not in self.fired):

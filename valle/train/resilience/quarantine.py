@@ -93,10 +93,18 @@ class OomPolicy:
     largest_text: int = 0
     quarantined_here: int = 0  # quarantined in this run (shared entries included)
     fitted_before: int = 0
+    max_non_data_failures: int = 3
+    non_data_failures: int = 0  # in this step, with no batch in flight
     _lone: set[str] = field(default_factory=set)
 
     def begin_step(self) -> None:
         self._lone.clear()
+        self.non_data_failures = 0
+
+    def non_data_failure(self) -> bool:
+        """Count a failure outside any batch's work; True once past the limit."""
+        self.non_data_failures += 1
+        return self.non_data_failures > self.max_non_data_failures
 
     def quarantine_now(self, cut_id: str) -> bool:
         """A lone failure of `cut_id`: True on its second one in this step."""

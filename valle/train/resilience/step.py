@@ -65,7 +65,7 @@ from valle.train.batching import (
 from valle.train.dist import DistContext, object_fingerprint, tensor_fingerprint
 from valle.train.optim import clip_grad_norm_
 from valle.train.resilience.channel import ControlChannel
-from valle.train.resilience.faults import CUT_PHASES, FaultInjector, InjectedOutOfMemoryError
+from valle.train.resilience.faults import FaultInjector, InjectedOutOfMemoryError
 from valle.train.resilience.memory import (
     BackwardReserve,
     OomEvent,
@@ -624,8 +624,13 @@ class ResilientStep:
         alone twice (memory freed in between)."""
         if batch is None:
             return None, split, []
-        if not failure.cut_ids or failure.phase not in CUT_PHASES:
-            return batch, split, []  # not while this rank's data was in play: retry as is
+        if not failure.cut_ids:
+            # Not while this rank's data was in flight: retry as is - unless it keeps
+            # happening, which no split can fix (said in the next vote: all stop).
+            if self.policy.non_data_failure():
+                self._give_up = (f"step {step} failed {self.policy.non_data_failures} times "
+                                 "outside any batch's forward/backward")
+            return batch, split, []
         if len(failure.cut_ids) > 1:
             return batch, min(split * 2, batch_size(batch)), []
         cut_id = failure.cut_ids[0]

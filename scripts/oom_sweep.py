@@ -1,0 +1,98 @@
+#!/usr/bin/env python
+"""`make oom-sweep`: fail every kind of allocation of a training step, SQLite-style.
+
+For each configuration (world size, GradScaler or not, failing ranks, which step,
+scenario) a dry run counts the step's allocating ops; then each chosen position
+N is failed in its own training run and classified (valle/train/resilience/sweep.py).
+Writes the tables into docs/oom.md between the sweep markers, with this command.
+
+  python scripts/oom_sweep.py                 # the whole sweep (first+last of every op kind)
+  python scripts/oom_sweep.py --select all --worlds 1 --scaler off   # every single allocation
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from valle.train.resilience.sweep import (  # noqa: E402
+    SweepConfig,
+    elapsed,
+    markdown_table,
+    phase_table,
+    run_sweep,
+)
+
+BEGIN, END = "<!-- oom-sweep:begin -->", "<!-- oom-sweep:end -->"
+
+
+def configurations(worlds: list[int], scalers: list[bool], steps: list[int],
+                   scenarios: list[str]) -> list[SweepConfig]:
+    out = []
+    for scenario in scenarios:
+        for w in worlds:
+            if scenario == "repair" and w == 1:
+                continue  # a repair needs a healthy rank to copy from
+            failing = ["all"] if w == 1 else ["one", "some", "all"]
+            if w == 2 and scenario != "repair":
+                failing = ["one", "all"]  # "some" is "one" at two ranks
+            for scaler in scalers:
+                for step in steps if scenario == "plain" else [steps[0]]:
+                    for f in failing:
+                        out.append(SweepConfig(w, scaler, f, step, scenario))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worlds", default="1,2,3")
+    p.add_argument("--scaler", default="off,on", help="off, on or both (fp16 autocast + GradScaler on CPU)")
+    p.add_argument("--steps", default="1,3", help="steps whose allocations are failed (1: mid step with "
+                   "validation, consistency check, checkpoint; 3: the epoch end)")
+    p.add_argument("--scenarios", default="plain,retry,repair")
+    p.add_argument("--select", default="kinds", choices=("kinds", "phases", "all"))
+    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "oom.md")
+    p.add_argument("--no-doc", action="store_true", help="print the tables only")
+    args = p.parse_args()
+    configs = configurations([int(w) for w in args.worlds.split(",")],
+                             [s == "on" for s in args.scaler.split(",")],
+                             [int(s) for s in args.steps.split(",")], args.scenarios.split(","))
+    start = time.monotonic()
+    results = []
+    for i, cfg in enumerate(configs, 1):
+        t0 = time.monotonic()
+        r = run_sweep(cfg, args.select)
+        results.append(r)
+        bad = [pt for pt in r.points if pt.outcome not in ("survived", "not hit")]
+        print(f"[{i}/{len(configs)}] {cfg.name}: {dict(r.counts())} ({elapsed(t0)})", flush=True)
+        for pt in bad:
+            print(f"    N={pt.index} {pt.phase} {pt.op}: {pt.outcome} {pt.detail}", flush=True)
+    command = "python scripts/oom_sweep.py " + " ".join(sys.argv[1:])
+    text = (f"{BEGIN}\nCommand: `{command.strip()}` ({elapsed(start)} on {_machine()}).\n\n"
+            f"{markdown_table(results)}\n\nBy phase (all configurations):\n\n{phase_table(results)}\n{END}")
+    print(text)
+    if not args.no_doc:
+        doc = args.doc.read_text()
+        if BEGIN in doc:
+            doc = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: text, doc, flags=re.S)
+        else:
+            doc += f"\n\n## The allocation sweep\n\n{text}\n"
+        args.doc.write_text(doc)
+    bad = sum(r.counts().get(o, 0) for r in results for o in ("crash", "hang", "lost"))
+    return 1 if bad else 0
+
+
+def _machine() -> str:
+    import os
+
+    return f"{os.cpu_count()} CPU cores, gloo"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

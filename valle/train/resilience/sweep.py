@@ -1,0 +1,313 @@
+"""The allocation sweep: fail every allocating op of a step in turn, as SQLite fails
+every malloc, and classify what the trainer does.
+
+A dry run counts the allocating aten ops of every step (`--count-allocations`:
+the census, in order, by phase and op). Then for each chosen position N, one
+training run fails the Nth allocation of the target step on the failing ranks
+(`--inject-fault alloc@STEP:N:RANKS`). Each point is classified:
+
+* survived  - every rank finished; ranks agreed after every step (the trainer's
+  own `--check-consistency-every 1`); cuts trained + quarantined + skipped =
+  drawn with nothing quarantined; final parameters equal to the fault-free
+  run's (dropout 0, float tolerance);
+* clean exit - every rank stopped with one of the trainer's named errors;
+* crash     - some rank raised anything else (a collective mismatch, ...);
+* hang      - the world did not finish within its deadline;
+* lost      - finished, but a cut was lost or quarantined, or the parameters differ;
+* not hit   - N is beyond what that rank allocated (the fault never fired).
+
+Points run back to back in one process group; after a crash or a hang the
+group is rebuilt for the points left. Used by `scripts/oom_sweep.py`
+(`make oom-sweep`, the whole sweep) and by a strided test in `make test`.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from valle.train.harness import WorldTimeout, run_world
+
+OUTCOMES = ("survived", "clean exit", "crash", "hang", "lost", "not hit")
+NAMED_ERRORS = ("NoHealthyRankError", "OomNotDataError", "BatchTooLargeError")
+STEPS_PER_EPOCH = 3
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    world_size: int = 2
+    scaler: bool = False  # CPU autocast float16 + torch.amp.GradScaler("cpu")
+    failing: str = "one"  # one, some, all
+    fault_step: int = 1  # 1: a mid step with validation, consistency check, checkpoint; 3: epoch end
+    scenario: str = "plain"  # plain, retry (a named forward OOM first), repair (a damaged rank)
+
+    @property
+    def name(self) -> str:
+        return (f"ws{self.world_size} {'fp16+scaler' if self.scaler else 'fp32'} "
+                f"{self.failing} step{self.fault_step} {self.scenario}")
+
+    def failing_ranks(self) -> list[int]:
+        w = self.world_size
+        if self.scenario == "repair":  # rank w-1 is the damaged one; rank 0 the source
+            return {"one": [w - 1], "some": [0], "all": list(range(w))}[self.failing]
+        return {"one": [w - 1], "some": list(range(0, w, 2)), "all": list(range(w))}[self.failing]
+
+
+@dataclass
+class PointResult:
+    index: int  # N, 1-based
+    phase: str
+    op: str
+    outcome: str
+    detail: str = ""
+
+
+@dataclass
+class SweepResult:
+    config: SweepConfig
+    census_size: int
+    points: list[PointResult] = field(default_factory=list)
+
+    def counts(self) -> Counter:
+        return Counter(p.outcome for p in self.points)
+
+
+def trainer_argv(exp_dir: Path, cfg: SweepConfig, extra: list[str]) -> list[str]:
+    from valle.train.scenarios import TINY_MODEL
+
+    w = cfg.world_size
+    argv = TINY_MODEL + [
+        "--exp-dir", str(exp_dir), "--synthetic-data", str(4 * w * STEPS_PER_EPOCH),
+        "--synthetic-batch-size", str(4 * w), "--num-epochs", "1",
+        "--check-consistency-every", "1", "--average-period", "1", "--valid-interval", "2",
+        "--save-every-n", "2", "--log-interval", "1", "--base-lr", "0.01", "--warmup-steps", "2",
+        "--bucket-cap-mb", "0.05", "--collective-timeout", "30", "--save-oom-batches", "0",
+        "--dtype", "float16" if cfg.scaler else "float32",
+    ]
+    if cfg.scenario == "retry":
+        argv += ["--inject-fault", f"forward@{cfg.fault_step}:{w - 1}"]
+    elif cfg.scenario == "repair":
+        # rank w-1's update fails at step fault_step-1 with no local retry: it is repaired
+        # from rank 0 in step fault_step, whose allocations are swept
+        argv += ["--update-retries", "0", "--inject-fault", f"optimizer@{cfg.fault_step - 1}:{w - 1}"]
+    return argv + extra
+
+
+def _quiet() -> None:
+    import logging
+
+    logging.disable(logging.WARNING)
+
+
+def sweep_worker(rank: int, world_size: int, cfg: SweepConfig, points: list[int],
+                 root: str, clean_params_path: str) -> None:
+    """Run the points in order in this process group; one JSON line per point."""
+    import torch
+
+    from valle.train.scenarios import train_worker
+
+    _quiet()
+    clean = torch.load(clean_params_path) if clean_params_path else None
+    ranks = ",".join(map(str, cfg.failing_ranks()))
+    out = Path(root) / f"progress-rank{rank}.jsonl"
+    for n in points:
+        exp = Path(root) / f"point-{n}"
+        argv = trainer_argv(exp, cfg, ["--inject-fault", f"alloc@{cfg.fault_step}:{n}:{ranks}"])
+        record: dict[str, Any] = {"n": n}
+        try:
+            r = train_worker(rank, world_size, argv)
+        except BaseException as exc:  # noqa: BLE001 - classified, then this group is done
+            record.update(status="crash", detail=f"{type(exc).__name__}: {str(exc)[:300]}")
+            _append(out, record)
+            return
+        if not r["ok"]:
+            record.update(status="named", detail=f"{r['error']}: {r['message'][:200]}")
+        else:
+            epoch = r["summary"]["epochs"][0]
+            record.update(status="ok", steps=r["summary"]["steps"], balanced=epoch["balanced"],
+                          quarantined=epoch["cuts_quarantined"], trained=epoch["cuts_trained"],
+                          drawn=epoch["cuts_drawn"], equal=_equal(r["params"], clean),
+                          fired=_fired(exp, rank))
+        _append(out, record)
+
+
+def _fired(exp: Path, rank: int) -> bool:
+    events = exp / "oom" / f"events-rank{rank}.jsonl"
+    return events.exists() and "allocation #" in events.read_text()
+
+
+def _equal(params: dict, clean: dict | None, rtol: float = 1e-4, atol: float = 1e-5) -> bool:
+    import torch
+
+    if clean is None:
+        return True
+    return all(torch.allclose(params[k], clean[k], rtol=rtol, atol=atol) for k in clean)
+
+
+def _append(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def census_worker(rank: int, world_size: int, argv: list[str]) -> dict[str, Any]:
+    from valle.train.scenarios import train_worker
+
+    _quiet()
+    return train_worker(rank, world_size, argv)
+
+
+def dry_run(cfg: SweepConfig, root: Path) -> tuple[dict[int, list[list[str]]], dict]:
+    """The census of the target step on every rank, and the fault-free parameters."""
+    exp = root / "dry"
+    argv = trainer_argv(exp, cfg, ["--count-allocations", str(root / "census.json")])
+    results = run_world(census_worker, cfg.world_size, argv, timeout=180)
+    outcome = [r for r in results if r[0] != "ok" or not r[1]["ok"]]
+    if outcome:
+        raise RuntimeError(f"{cfg.name}: the dry run failed: {outcome[0]}")
+    census = {}
+    for rank in range(cfg.world_size):
+        steps = json.loads(Path(f"{root / 'census.json'}.rank{rank}").read_text())
+        census[rank] = steps.get(str(cfg.fault_step), [])
+    return census, results[0][1]["params"]
+
+
+def choose_points(census: dict[int, list[list[str]]], ranks: list[int], mode: str) -> list[int]:
+    """Positions N to fail. `kinds`: the first and last occurrence of every (phase, op)
+    on the failing ranks (hits every op kind in every phase); `phases`: the first of
+    every phase; `all`: every position."""
+    longest = max(census[r] for r in ranks)
+    if mode == "all":
+        return list(range(1, len(longest) + 1))
+    seen: dict[tuple, list[int]] = {}
+    for rank in ranks:
+        for i, (phase, op) in enumerate(census[rank], 1):
+            key = (phase,) if mode == "phases" else (phase, op)
+            seen.setdefault(key, []).append(i)
+    points: set[int] = set()
+    for positions in seen.values():
+        points.add(min(positions))
+        if mode == "kinds":
+            points.add(max(positions))
+    return sorted(points)
+
+
+def run_sweep(cfg: SweepConfig, mode: str = "kinds", per_point_s: float = 40.0,
+              progress=None) -> SweepResult:
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="oom-sweep-") as tmp:
+        root = Path(tmp)
+        census, clean = dry_run(cfg, root)
+        clean_path = root / "clean.pt"
+        torch.save(clean, clean_path)
+        ranks = cfg.failing_ranks()
+        points = choose_points(census, ranks, mode)
+        labels = {}
+        for n in points:
+            rank = next(r for r in ranks if len(census[r]) >= n)
+            labels[n] = census[rank][n - 1]
+        result = SweepResult(cfg, max(len(census[r]) for r in ranks))
+        todo = list(points)
+        while todo:
+            chunk_root = root / f"chunk-{todo[0]}"
+            chunk_root.mkdir()
+            hung = False
+            try:
+                run_world(sweep_worker, cfg.world_size, cfg, todo, str(chunk_root), str(clean_path),
+                          timeout=per_point_s * len(todo) + 60)
+            except WorldTimeout:
+                hung = True
+            done = _read_progress(chunk_root, cfg.world_size)
+            for n in list(todo):
+                if n not in done:
+                    break
+                todo.remove(n)
+                phase, op = labels[n]
+                outcome, detail = classify(done[n], cfg)
+                result.points.append(PointResult(n, phase, op, outcome, detail))
+                if progress:
+                    progress(cfg, result.points[-1])
+            crashed = any(r["status"] == "crash" for records in done.values() for r in records)
+            if todo and (hung or (todo[0] not in done and not crashed)):
+                # The next point took the group down (a hang, or a process that died
+                # without writing its line on every rank).
+                n = todo.pop(0)
+                phase, op = labels[n]
+                result.points.append(PointResult(n, phase, op, "hang" if hung else "crash",
+                                                 "no result from every rank"))
+                if progress:
+                    progress(cfg, result.points[-1])
+        return result
+
+
+def _read_progress(root: Path, world_size: int) -> dict[int, list[dict]]:
+    per_rank = []
+    for rank in range(world_size):
+        path = root / f"progress-rank{rank}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        per_rank.append({json.loads(x)["n"]: json.loads(x) for x in lines})
+    common = set.intersection(*(set(d) for d in per_rank)) if per_rank else set()
+    return {n: [d[n] for d in per_rank] for n in common}
+
+
+def classify(records: list[dict], cfg: SweepConfig) -> tuple[str, str]:
+    statuses = {r["status"] for r in records}
+    if "crash" in statuses:
+        return "crash", next(r["detail"] for r in records if r["status"] == "crash")
+    if statuses == {"named"}:
+        details = {r["detail"].split(":")[0] for r in records}
+        if details <= set(NAMED_ERRORS) and len(details) == 1:
+            return "clean exit", records[0]["detail"]
+        return "crash", "; ".join(r["detail"] for r in records)
+    if statuses != {"ok"}:
+        return "crash", "some ranks stopped, others finished: " + "; ".join(
+            r.get("detail", "ok") for r in records)
+    if not any(r["fired"] for r in records):
+        return "not hit", ""
+    r0 = records[0]
+    problems = []
+    if any(r["steps"] != STEPS_PER_EPOCH for r in records):
+        problems.append(f"steps {[r['steps'] for r in records]}")
+    if not all(r["balanced"] for r in records) or r0["trained"] != r0["drawn"]:
+        problems.append(f"cuts: drawn {r0['drawn']}, trained {r0['trained']}")
+    if r0["quarantined"]:
+        problems.append(f"{r0['quarantined']} healthy cut(s) quarantined")
+    if not all(r["equal"] for r in records):
+        problems.append("final parameters differ from the fault-free run")
+    return ("lost", "; ".join(problems)) if problems else ("survived", "")
+
+
+def markdown_table(results: list[SweepResult]) -> str:
+    lines = ["| configuration | allocations in the step | points | " + " | ".join(OUTCOMES) + " |",
+             "|---" * (3 + len(OUTCOMES)) + "|"]
+    total: Counter = Counter()
+    for r in results:
+        c = r.counts()
+        total += c
+        lines.append(f"| {r.config.name} | {r.census_size} | {len(r.points)} | "
+                     + " | ".join(str(c.get(o, 0)) for o in OUTCOMES) + " |")
+    lines.append(f"| **all** | | {sum(len(r.points) for r in results)} | "
+                 + " | ".join(f"**{total.get(o, 0)}**" for o in OUTCOMES) + " |")
+    return "\n".join(lines)
+
+
+def phase_table(results: list[SweepResult]) -> str:
+    """Points per phase and outcome, over every configuration."""
+    per_phase: dict[str, Counter] = {}
+    for r in results:
+        for p in r.points:
+            per_phase.setdefault(p.phase, Counter())[p.outcome] += 1
+    lines = ["| phase | " + " | ".join(OUTCOMES) + " |", "|---" * (1 + len(OUTCOMES)) + "|"]
+    for phase in sorted(per_phase):
+        c = per_phase[phase]
+        lines.append(f"| {phase} | " + " | ".join(str(c.get(o, 0)) for o in OUTCOMES) + " |")
+    return "\n".join(lines)
+
+
+def elapsed(start: float) -> str:
+    return f"{time.monotonic() - start:.0f} s"
