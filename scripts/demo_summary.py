@@ -1,22 +1,32 @@
 #!/usr/bin/env python3
-"""The demo's last word: the wav, the TensorBoard directory, a loss-curve PNG, the OOM story."""
+"""The demo's last word: the wavs, held-out PER and speaker similarity beside their ceilings,
+the TensorBoard directory, a loss-curve PNG (training and validation loss per stage), the OOM story."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+STAGES = (("ar", "stage1", "AR (stage 1)"), ("nar", "stage2", "NAR (stage 2)"))
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--exp-dir", type=Path, required=True)
-    args = parser.parse_args()
-    exp = args.exp_dir.resolve()
 
+def stage_dirs(exp: Path) -> list[tuple[str, Path]]:
+    """(label, tensorboard dir) per stage: exp/{ar,nar}/tensorboard/stageN, or exp/tensorboard/stageN."""
+    out = []
+    for sub, stage, label in STAGES:
+        for d in (exp / sub / "tensorboard" / stage, exp / "tensorboard" / stage):
+            if d.is_dir():
+                out.append((label, d))
+                break
+    return out
+
+
+def plot(exp: Path, evaluation: dict | None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -24,27 +34,65 @@ def main() -> None:
 
     from valle.train.metrics import _read_tensorboard_scalars
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for stage, label in (("stage1", "AR (stage 1)"), ("stage2", "NAR (stage 2)")):
-        points = _read_tensorboard_scalars(exp / "tensorboard" / stage, "train/loss")
-        if points:
-            ax.plot([s for s, _ in points], [v for _, v in points], label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss per frame")
-    ax.set_title("tiny demo: training loss")
-    ax.legend()
+    stages = stage_dirs(exp)
+    fig, axes = plt.subplots(1, max(1, len(stages)), figsize=(6 * max(1, len(stages)), 4), squeeze=False)
+    for ax, (label, d) in zip(axes[0], stages):
+        for tag, style in (("train/loss", "-"), ("valid/loss", "o-")):
+            pts = _read_tensorboard_scalars(d, tag)
+            if pts:
+                ax.plot([s for s, _ in pts], [v for _, v in pts], style, label=tag.split("/")[0], markersize=3)
+        ax.set_title(label)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss per frame")
+        ax.legend()
+    if evaluation and stages:
+        o = evaluation["summary"]["output"]
+        ref = evaluation["summary"].get("ground_truth", {})
+        axes[0][-1].text(0.02, 0.02, f"held-out PER {o['per']:.2f} (ground truth {ref.get('per', math.nan):.2f})",
+                         transform=axes[0][-1].transAxes, fontsize=9)
     png = exp / "loss-curve.png"
+    fig.suptitle("tiny demo: training and validation loss")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
+    return png
+
+
+def fmt(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--exp-dir", type=Path, required=True)
+    args = parser.parse_args()
+    exp = args.exp_dir.resolve()
+    eval_path = exp / "eval.json"
+    evaluation = json.loads(eval_path.read_text()) if eval_path.is_file() else None
+    png = plot(exp, evaluation)
 
     wavs = sorted((exp / "infer").glob("*.wav"))
-    events = [json.loads(line) for f in sorted((exp / "oom").glob("events-rank*.jsonl"))
+    events = [json.loads(line) for f in sorted(exp.rglob("oom/events-rank*.jsonl"))
               for line in f.read_text().splitlines()]
-    epochs = sorted(exp.glob("epoch-*-summary-rank0.json"))
+    epochs = sorted(exp.rglob("epoch-*-summary-rank0.json"))
     last = json.loads(epochs[-1].read_text()) if epochs else {}
     print("\n==================== demo summary ====================")
-    print(f"wav:              {wavs[0] if wavs else 'none written'}")
-    print(f"TensorBoard:      tensorboard --logdir {exp / 'tensorboard'}")
+    print(f"wavs:             {len(wavs)} in {exp / 'infer'}")
+    for w in wavs:
+        print(f"                  {w.name}")
+    if evaluation:
+        s = evaluation["summary"]
+        o, gt, rs = s["output"], s.get("ground_truth", {}), s.get("codec_resynthesis", {})
+        meta = evaluation["meta"]
+        print(f"held-out PER:     {fmt(o['per'])}   (ceilings: ground truth {fmt(gt.get('per'))}, "
+              f"{meta.get('codec')} resynthesis {fmt(rs.get('per'))}; unintelligible ~1.0)")
+        print(f"speaker sim:      {fmt(o['similarity'])}   (ceilings: ground truth {fmt(gt.get('similarity'))}, "
+              f"resynthesis {fmt(rs.get('similarity'))}; {meta.get('speaker_model')})")
+        print(f"duration ratio:   {fmt(o['duration_ratio'])} of the text at the prompt's rate, "
+              f"{fmt(o['duration_ratio_ref'])} of the ground truth; {o['hit_length_cap']:.0%} hit the length cap")
+        print(f"evaluation:       {eval_path}")
+    else:
+        print("evaluation:       none (stage 4 did not run)")
+    print(f"TensorBoard:      tensorboard --logdir {exp}")
     print(f"loss curve:       {png}")
     for e in events:
         print(f"OOM recovered:    {e['phase']} on rank {e['rank']} at step {e['step']} "
@@ -52,7 +100,8 @@ def main() -> None:
     if last:
         print(f"last epoch:       cuts drawn {last['cuts_drawn']} = trained {last['cuts_trained']} + "
               f"quarantined {last['cuts_quarantined']} + skipped {last['cuts_skipped']}")
-    print("EnCodec ran with RANDOM weights unless a checkpoint was found: the wav is noise-like.")
+    if evaluation and evaluation["meta"].get("codec") == "encodec":
+        print("EnCodec: with RANDOM weights (no checkpoint found) the wavs are noise-like.")
     print("======================================================")
     if not wavs:
         sys.exit(1)

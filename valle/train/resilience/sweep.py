@@ -176,10 +176,11 @@ def dry_run(cfg: SweepConfig, root: Path) -> tuple[dict[int, list[list[str]]], d
     return census, results[0][1]["params"]
 
 
-def choose_points(census: dict[int, list[list[str]]], ranks: list[int], mode: str) -> list[int]:
+def choose_points(census: dict[int, list[list[str]]], ranks: list[int], mode: str,
+                  last: bool = False) -> list[int]:
     """Positions N to fail. `kinds`: the first and last occurrence of every (phase, op)
-    on the failing ranks (hits every op kind in every phase); `phases`: the first of
-    every phase; `all`: every position."""
+    on the failing ranks (hits every op kind in every phase); `phases`: the first (with
+    `last`, the last) of every phase; `all`: every position."""
     longest = max(census[r] for r in ranks)
     if mode == "all":
         return list(range(1, len(longest) + 1))
@@ -190,7 +191,7 @@ def choose_points(census: dict[int, list[list[str]]], ranks: list[int], mode: st
             seen.setdefault(key, []).append(i)
     points: set[int] = set()
     for positions in seen.values():
-        points.add(min(positions))
+        points.add(max(positions) if last else min(positions))
         if mode == "kinds":
             points.add(max(positions))
     return sorted(points)
@@ -206,7 +207,8 @@ def run_sweep(cfg: SweepConfig, mode: str = "kinds", per_point_s: float = 40.0,
         clean_path = root / "clean.pt"
         torch.save(clean, clean_path)
         ranks = cfg.failing_ranks()
-        points = choose_points(census, ranks, mode)
+        # In the retry scenario the step's last allocations are the retry's.
+        points = choose_points(census, ranks, mode, last=cfg.scenario == "retry")
         labels = {}
         for n in points:
             rank = next(r for r in ranks if len(census[r]) >= n)
