@@ -51,6 +51,8 @@ class MelFrontend:
         squeeze = x.dim() == 1
         x = x.reshape(1, -1) if squeeze else x.reshape(x.shape[0], -1)
         t = num_frames(x.shape[-1], self.config.hop_length)
+        if x.shape[-1] <= self.config.n_fft // 2:  # reflect padding needs more: pad with silence
+            x = torch.nn.functional.pad(x, (0, self.config.n_fft - x.shape[-1]))
         mel = self.mel(x)[..., :t]  # centred STFT gives N // hop + 1 >= t frames
         out = torch.log(mel.clamp_min(LOG_FLOOR)).transpose(1, 2).contiguous()
         return out[0] if squeeze else out
@@ -82,10 +84,14 @@ class MelInverter:
         mag = torch.exp(x.float()) @ self.inverse  # (B, T, F)
         mag = mag.clamp_min(0.0).transpose(1, 2)  # (B, F, T)
         t = x.shape[1]
+        c = self.config
+        # Griffin-Lim's STFT needs more samples than half a window: very short inputs (a model
+        # that stopped at once) are padded with silence and cropped back.
+        t_pad = max(t, c.n_fft // c.hop_length)
+        mag = torch.nn.functional.pad(mag, (0, t_pad - t))
         # A centred STFT of t * hop samples has t + 1 frames: repeat the last one.
         mag = torch.cat([mag, mag[..., -1:]], dim=-1)
-        c = self.config
         # rand_init=False: the same codes always give the same wav (determinism).
         wav = self._griffinlim(mag, self.window, c.n_fft, c.hop_length, c.n_fft, 1.0, self.n_iter,
-                               0.99, t * c.hop_length, False)
+                               0.99, t_pad * c.hop_length, False)[..., : t * c.hop_length]
         return wav[0] if squeeze else wav

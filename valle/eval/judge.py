@@ -55,8 +55,7 @@ class JudgeConfig:
 
 
 class PhonemeRecognizer(nn.Module):
-    """Three convolutions (the second halves the frame rate to 37.5 Hz) and a bidirectional GRU:
-    the convolutions are cheap on CPU, the recurrent layer is what costs."""
+    """Two convolutions (the second halves the frame rate to 37.5 Hz) and a bidirectional GRU."""
 
     def __init__(self, n_mels: int, vocab_size: int, conv_channels: int = 192, hidden: int = 128,
                  layers: int = 2) -> None:
@@ -64,7 +63,6 @@ class PhonemeRecognizer(nn.Module):
         self.conv = nn.Sequential(
             nn.Conv1d(n_mels, conv_channels, 5, padding=2), nn.GELU(),
             nn.Conv1d(conv_channels, conv_channels, 5, stride=2, padding=2), nn.GELU(),
-            nn.Conv1d(conv_channels, conv_channels, 5, padding=2), nn.GELU(),
         )
         self.rnn = nn.GRU(conv_channels, hidden, layers, batch_first=True, bidirectional=True)
         self.out = nn.Linear(2 * hidden, vocab_size)
@@ -131,8 +129,16 @@ class Judge:
         """Greedy CTC: best symbol per frame, repeats merged, blanks dropped."""
         if not wavs:
             return []
-        feats, lens = _pad([self.features(w) for w in wavs])
-        logp, out_lens = self.model(feats, lens)
+        feats = [self.features(w) for w in wavs]
+        keep = [i for i, f in enumerate(feats) if f.shape[0] >= 2]  # shorter: nothing to hear
+        if not keep:
+            return [[] for _ in wavs]
+        x, lens = _pad([feats[i] for i in keep])
+        logp, out_lens = self.model(x, lens)
+        heard = dict(zip(keep, self._greedy(logp, out_lens)))
+        return [heard.get(i, []) for i in range(len(wavs))]
+
+    def _greedy(self, logp: torch.Tensor, out_lens: torch.Tensor) -> list[list[str]]:
         best = logp.argmax(-1)
         result = []
         for row, n in zip(best, out_lens):
