@@ -350,9 +350,14 @@ class Synthesizer:
         if len(languages) > n:
             raise InputError(f"--languages lists {len(languages)} languages, the model has {n}")
         ids = {lang: i for i, lang in enumerate(languages)}
-        for flag, lang in (("--language", self.language), ("--prompt-language", self.prompt_language)):
+        for flag, lang in (
+            ("--language", self.language),
+            ("--prompt-language", self.prompt_language),
+        ):
             if lang not in ids:
-                raise InputError(f"{flag} {lang}: not one of the model's languages {list(languages)}")
+                raise InputError(
+                    f"{flag} {lang}: not one of the model's languages {list(languages)}"
+                )
         return ids
 
     def _phonemes(self, text: str, language: str, what: str, item: Item) -> list[str]:
@@ -398,13 +403,18 @@ class Synthesizer:
             torch.tensor(prompt_lens, device=self.device),
         )
 
-    def _text_languages(self, tokens: torch.Tensor, prompt_lens: torch.Tensor) -> torch.Tensor | None:
+    def _text_languages(
+        self, tokens: torch.Tensor, prompt_lens: torch.Tensor
+    ) -> torch.Tensor | None:
         """Per-token language ids: BOS + the prompt's transcript in its language, the rest in --language."""
         if self.language_ids is None:
             return None
         cols = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
         in_prompt = cols < (prompt_lens[:, None] + 1)
-        prompt_id, text_id = self.language_ids[self.prompt_language], self.language_ids[self.language]
+        prompt_id, text_id = (
+            self.language_ids[self.prompt_language],
+            self.language_ids[self.language],
+        )
         return torch.where(in_prompt, prompt_id, text_id)
 
     def _prompt_codes(self, items: list[Item]):
@@ -540,8 +550,9 @@ def run(args: argparse.Namespace) -> RunResult:
     try:  # the codec the checkpoint's corpus was tokenized with (valle/codec: EnCodec or mel-rvq)
         from valle.codec import codec_for_checkpoint
 
-        audio_tokenizer = codec_for_checkpoint(config, device, args.encodec_checkpoint,
-                                               args.allow_random_encodec)
+        audio_tokenizer = codec_for_checkpoint(
+            config, device, args.encodec_checkpoint, args.allow_random_encodec
+        )
     except FileNotFoundError as e:
         raise InputError(str(e)) from e
     synth = Synthesizer(model, table, audio_tokenizer, device, language=args.language,

@@ -244,7 +244,9 @@ class _VALLEBase(nn.Module):
         weight = self.ar_audio_embedding.weight[: NUM_AUDIO_TOKENS + 1]
         return F.linear(h * self.ar_dim**-0.5, weight)
 
-    def _nar_embed_text(self, text: torch.Tensor, languages: torch.Tensor | None = None) -> torch.Tensor:
+    def _nar_embed_text(
+        self, text: torch.Tensor, languages: torch.Tensor | None = None
+    ) -> torch.Tensor:
         pos = torch.arange(text.shape[1], device=text.device)
         x = self.nar_text_embedding(text)
         if self.nar_language_embedding is not None and languages is not None:
