@@ -547,6 +547,10 @@ def run(args: argparse.Namespace) -> RunResult:
     table = args.text_tokens or config.get("text_tokens")
     if not table:
         raise InputError("the checkpoint names no text_tokens symbol table: pass --text-tokens")
+    if not Path(
+        table
+    ).is_file():  # before the codec loads: a lifeiteng checkpoint names its recipe's path
+        raise InputError(f"symbol table {table} not found (pass --text-tokens)")
     try:  # the codec the checkpoint's corpus was tokenized with (valle/codec: EnCodec or mel-rvq)
         from valle.codec import codec_for_checkpoint
 
