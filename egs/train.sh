@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Train VALL-E on a tokenized corpus (egs/<corpus>/run.sh calls this), as in the original recipes.
 #   egs/train.sh --dataset libritts [--recipe two-stage|single-stage] [--nproc 8] [--dtype bfloat16]
+#       [--max-duration 80] [--max-text-tokens auto|N|off] [--shar-dir data/shar/train]
 # two-stage (default): the AR (--train-stage 1), then the NAR (--train-stage 2) in the same
 #   --exp-dir: stage 2 starts from the newest AR checkpoint (weights kept; optimizer,
 #   scheduler and sampler state dropped, as the log says), then continues its own.
@@ -17,9 +18,10 @@ max_duration=80
 # auto: from --max-duration and the corpus's text tokens per second (data/tokenized/
 # <dataset>_text_stats.json, written by bin/tokenizer.py); the trainer logs the number.
 max_text_tokens=auto
+shar_dir=""   # e.g. data/shar/train (prepare.sh stage 5): stream train from Lhotse Shar shards
 exp_dir=exp/valle
 python=${PYTHON:-python}
-options="dataset recipe nproc dtype num_epochs max_duration max_text_tokens exp_dir python"
+options="dataset recipe nproc dtype num_epochs max_duration max_text_tokens shar_dir exp_dir python"
 . "$(dirname "${BASH_SOURCE[0]}")/parse_options.sh"
 
 [ -n "$dataset" ] || { echo "$0: --dataset is required" >&2; exit 1; }
@@ -34,6 +36,7 @@ train=(--manifest-dir data/tokenized --dataset "$dataset" --max-duration "$max_d
        --optimizer-name ScaledAdam --scheduler-name Eden --base-lr 0.05 --warmup-steps 200
        --average-period 0 --save-every-n 10000 --keep-last-k 20 --valid-interval 10000
        --num-epochs "$num_epochs" --exp-dir "$exp_dir")
+if [ -n "$shar_dir" ]; then train+=(--shar-dir "$shar_dir"); fi
 launch=("$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc" --max-restarts 3
         "$root/bin/trainer.py")
 

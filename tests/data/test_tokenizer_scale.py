@@ -46,7 +46,7 @@ def test_every_language_spelling_gets_its_voice_and_a_report(tmp_path, tokenizer
     from lhotse import CutSet
 
     man = _manifests(tmp_path)
-    assert tokenizer_cli.main(_argv(man, tmp_path / "out")) == 0
+    assert tokenizer_cli.main(_argv(man, tmp_path / "out", "--shar-dir", str(tmp_path / "shar"))) == 0
     out = capsys.readouterr().out
     cuts = {c.id: c for c in CutSet.from_file(tmp_path / "out" / "ml_cuts_test.jsonl.gz")}
     voices = {cid: c.supervisions[0].custom["espeak_voice"] for cid, c in cuts.items()}
@@ -61,6 +61,10 @@ def test_every_language_spelling_gets_its_voice_and_a_report(tmp_path, tokenizer
     assert "Klingonese" in out  # its bad count is reported under its own name
     for c in cuts.values():
         assert c.sampling_rate == 24000 and c.load_features().shape == (c.features.num_frames, 8)
+    # --shar-dir: the finished part as Lhotse Shar shards, codes exact
+    shar = {c.id: c for c in CutSet.from_shar(in_dir=tmp_path / "shar" / "test")}
+    assert set(shar) == set(cuts)
+    assert (shar["u5"].load_features() == cuts["u5"].load_features()).all()
 
 
 def test_a_crash_loses_at_most_one_chunk(tmp_path, tokenizer_cli, monkeypatch):

@@ -85,6 +85,15 @@ def _str2bool(v: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
 
 
+def worker_context():
+    """DataLoader workers by fork where the platform has it (Linux's default, what torchrun
+    gives): a process that was itself started by spawn (multi-rank tests, notebooks) would
+    otherwise inherit spawn and re-import torch in every worker, every epoch (~10 s each)."""
+    import multiprocessing as mp
+
+    return "fork" if "fork" in mp.get_all_start_methods() else None
+
+
 class ResumableLoader:
     """A DataLoader over a BudgetedSampler that counts the batches handed to the caller."""
 
@@ -110,7 +119,7 @@ class ResumableLoader:
         self.sampler.skip_batches = self.batches_consumed
         loader = torch.utils.data.DataLoader(
             self.dataset, sampler=self.sampler, batch_size=None, num_workers=self.num_workers,
-            persistent_workers=False,
+            persistent_workers=False, multiprocessing_context=worker_context() if self.num_workers else None,
         )
         for batch in loader:
             self.batches_consumed += 1

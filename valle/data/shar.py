@@ -146,7 +146,11 @@ class SharLoader:
         self.data.epoch = epoch
 
     def __iter__(self) -> Iterator[dict]:
-        loader = torch.utils.data.DataLoader(self.data, batch_size=None, num_workers=self.num_workers)
+        from valle.data.datamodule import worker_context
+
+        loader = torch.utils.data.DataLoader(
+            self.data, batch_size=None, num_workers=self.num_workers,
+            multiprocessing_context=worker_context() if self.num_workers else None)
         skip = self.batches_consumed
         for i, batch in enumerate(loader):
             if i < skip:
