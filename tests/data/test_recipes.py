@@ -112,6 +112,16 @@ def test_libritts_recipe_runs_every_stage(libritts):
     assert sorted(p.name for p in (tok / "libritts_encodec_train-clean-100").iterdir()) == ["chunk-000000.h5", "chunk-000001.h5"]
 
 
+def test_combine_takes_a_single_part(libritts, tmp_path):
+    # lhotse's `combine` raised TypeError on one input (the default parts have one train part)
+    from valle.data import recipe
+
+    data, _, _ = libritts
+    src = data / "tokenized" / "libritts_cuts_train-clean-100.jsonl.gz"
+    assert recipe.main(["combine", str(tmp_path / "train.jsonl.gz"), str(src)]) == 0
+    assert _read(tmp_path / "train.jsonl.gz") == _read(src)
+
+
 def test_libritts_manifest_problems_each_get_a_line(libritts):
     data, log, injected = libritts
     report = ValidationReport.read(data / "tokenized" / "libritts_bad_cuts_train-clean-100.tsv")

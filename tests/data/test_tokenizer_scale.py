@@ -93,6 +93,16 @@ def test_a_crash_loses_at_most_one_chunk(tmp_path, tokenizer_cli, monkeypatch):
     assert calls == [2]  # chunks 0 and 1 were kept
     assert [c.id for c in CutSet.from_file(out / "ml_cuts_test.jsonl.gz")] == ["u0", "u1", "u2", "u3", "u4"]
     assert not (out / ".ml_chunks_test").exists()
+    # a different --chunk-size after a crash: the old chunks are not mixed in
+    (out / "ml_cuts_test.jsonl.gz").unlink()
+    monkeypatch.setattr(PartTokenizer, "run_chunk", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        tokenizer_cli.main(_argv(man, out, "--chunk-size", "2"))
+    calls.clear()
+    monkeypatch.setattr(PartTokenizer, "run_chunk", lambda self, index, *a: calls.append(index) or real(self, index, *a))
+    assert tokenizer_cli.main(_argv(man, out, "--chunk-size", "3")) == 0
+    assert calls == [0, 1]
+    assert [c.id for c in CutSet.from_file(out / "ml_cuts_test.jsonl.gz")] == ["u0", "u1", "u2", "u3", "u4"]
 
 
 def _merge_worker(args):
@@ -146,3 +156,35 @@ def test_download_is_hash_checked_into_the_hub_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.hub, "download_url_to_file", fake_download)
     assert A.resolve_encodec_weights() == tmp_path / "checkpoints" / A.CHECKPOINT_NAME
     assert seen == {"url": A.ENCODEC_URL, "hash_prefix": "d7cc33bc"}
+
+
+def test_progress_logs_rate_and_eta_without_a_terminal(caplog):
+    import logging
+
+    from valle.data.progress import Progress
+
+    log = logging.getLogger("test-progress")
+    with caplog.at_level(logging.INFO, logger="test-progress"):
+        p = Progress(total=10, desc="tokenize x", logger=log, interval=0.0)
+        p.update(4, audio_seconds=20.0)
+        p.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("tokenize x: 4/10 cuts, ") and "items/s" in lines[0]
+    assert "h audio/s" in lines[0] and "x real time" in lines[0] and "ETA " in lines[0]
+    assert lines[-1].endswith("(done)")
+
+
+@pytest.mark.parametrize("world_size,workers", [(1, 1), (2, 2), (3, 2), (4, 1)])
+def test_shar_shards_are_dealt_once_to_each_rank_and_worker(world_size, workers):
+    from valle.data.shar import SharTrainSet
+
+    shards = [{"cuts": f"cuts.{i}", "features": f"features.{i}"} for i in range(7)]
+    for epoch in (0, 1):
+        dealt = []
+        for rank in range(world_size):
+            data = SharTrainSet(shards, None, None, rank, world_size, seed=3, shuffle=True,
+                                num_buckets=2, buffer_size=10, cut_filter=None)
+            data.epoch = epoch
+            for w in range(workers):
+                dealt += [s["cuts"] for s in data.shards_for(w, workers)]
+        assert sorted(dealt) == sorted(s["cuts"] for s in shards)

@@ -341,13 +341,30 @@ class PartTokenizer:
         _atomic_write(paths["chunks"] / f"{index:06d}.json", json.dumps(meta, ensure_ascii=False))
         return meta
 
+    @staticmethod
+    def _check_plan(part: str, chunk_dir: Path, cuts: list, size: int) -> None:
+        """Finished chunks are reused only for the same cuts and chunk size; otherwise (the
+        manifest or --chunk-size changed) they are discarded, and the log says so."""
+        import hashlib
+
+        digest = hashlib.sha1("\n".join(c.id for c in cuts).encode()).hexdigest()
+        plan = {"chunk_size": size, "num_cuts": len(cuts), "cut_ids_sha1": digest}
+        plan_path = chunk_dir / "plan.json"
+        if plan_path.is_file() and json.loads(plan_path.read_text()) != plan:
+            logger.warning("part %s: the cuts or --chunk-size changed since %s was started: "
+                           "its finished chunks are discarded", part, chunk_dir)
+            shutil.rmtree(chunk_dir)
+        chunk_dir.mkdir(parents=True, exist_ok=True)
+        if not plan_path.is_file():
+            _atomic_write(plan_path, json.dumps(plan))
+
     def run(self, part: str, cuts: list, load_report: V.ValidationReport) -> tuple[V.ValidationReport, Stats]:
         from lhotse import CutSet
 
         paths = self.paths(part)
-        paths["chunks"].mkdir(parents=True, exist_ok=True)
         size = max(1, self.opts.chunk_size)
         n_chunks = math.ceil(len(cuts) / size)
+        self._check_plan(part, paths["chunks"], cuts, size)
         metas: dict[int, dict] = {}
         for i in range(n_chunks):
             meta_path = paths["chunks"] / f"{i:06d}.json"
