@@ -6,7 +6,7 @@ scenario) a dry run counts the step's allocating ops; then each chosen position
 N is failed in its own training run and classified (valle/train/resilience/sweep.py).
 Writes the tables into docs/oom.md between the sweep markers, with this command.
 
-  python scripts/oom_sweep.py                 # the whole sweep (first+last of every op kind)
+  python scripts/oom_sweep.py                 # the whole sweep (every op kind in every phase)
   python scripts/oom_sweep.py --select all --worlds 1 --scaler off   # every single allocation
 """
 
@@ -33,7 +33,7 @@ BEGIN, END = "<!-- oom-sweep:begin -->", "<!-- oom-sweep:end -->"
 
 
 def configurations(worlds: list[int], scalers: list[bool], steps: list[int],
-                   scenarios: list[str]) -> list[SweepConfig]:
+                   scenarios: list[str], failing_sets: list[str]) -> list[SweepConfig]:
     out = []
     for scenario in scenarios:
         for w in worlds:
@@ -45,7 +45,8 @@ def configurations(worlds: list[int], scalers: list[bool], steps: list[int],
             for scaler in scalers:
                 for step in steps if scenario == "plain" else [steps[0]]:
                     for f in failing:
-                        out.append(SweepConfig(w, scaler, f, step, scenario))
+                        if f in failing_sets:
+                            out.append(SweepConfig(w, scaler, f, step, scenario))
     return out
 
 
@@ -56,13 +57,17 @@ def main() -> int:
     p.add_argument("--steps", default="1,3", help="steps whose allocations are failed (1: mid step with "
                    "validation, consistency check, checkpoint; 3: the epoch end)")
     p.add_argument("--scenarios", default="plain,retry,repair")
-    p.add_argument("--select", default="kinds", choices=("kinds", "phases", "all"))
+    p.add_argument("--failing", default="one,some,all", help="which failing-rank sets")
+    p.add_argument("--select", default="kinds", choices=("kinds", "ends", "phases", "all"),
+                   help="kinds: the first allocation of every (phase, op) kind of the step; "
+                        "ends: its first and last; phases: the first of every phase; all: every one")
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "oom.md")
     p.add_argument("--no-doc", action="store_true", help="print the tables only")
     args = p.parse_args()
     configs = configurations([int(w) for w in args.worlds.split(",")],
                              [s == "on" for s in args.scaler.split(",")],
-                             [int(s) for s in args.steps.split(",")], args.scenarios.split(","))
+                             [int(s) for s in args.steps.split(",")], args.scenarios.split(","),
+                             args.failing.split(","))
     start = time.monotonic()
     results = []
     for i, cfg in enumerate(configs, 1):

@@ -162,28 +162,44 @@ def broadcast_object(obj, src: int, ctx: DistContext):
     return box[0]
 
 
+_INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_FINGERPRINT_CHUNK = 1 << 24  # elements hashed per kernel: bounds the int64 copy's memory
+
+
 def tensor_fingerprint(tensors: Sequence[torch.Tensor]) -> int:
-    """Exact fingerprint of tensor contents, computed on their device.
+    """Exact fingerprint of tensor contents (and order), computed on their device.
 
     Bit patterns (not values) are hashed so that any difference, even in the
-    last ulp or a NaN payload, changes the fingerprint.
+    last ulp or a NaN payload, changes the fingerprint. Tensors are hashed in
+    concatenated chunks (a few kernels per chunk, not per tensor): a position
+    weight makes the order count.
     """
-    acc = 0
-    for i, t in enumerate(tensors):
+    acc, position = 0, 0
+    chunk: list[torch.Tensor] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal acc, position, chunk, size
+        if not chunk:
+            return
+        ints = torch.cat(chunk).to(torch.int64)
+        weights = torch.arange(position + 1, position + 1 + ints.numel(), device=ints.device,
+                               dtype=torch.int64) % 1000003
+        value = int(((ints * weights).sum() + ints.sum() * 31).item())
+        acc = (acc * 1000000007 + value + position) % (1 << 61)
+        position += ints.numel()
+        chunk, size = [], 0
+
+    for t in tensors:
         if t.numel() == 0:
             continue
-        flat = t.detach().contiguous().view(-1)
-        if flat.element_size() == 8:
-            ints = flat.view(torch.int64)
-        elif flat.element_size() == 4:
-            ints = flat.view(torch.int32).to(torch.int64)
-        elif flat.element_size() == 2:
-            ints = flat.view(torch.int16).to(torch.int64)
-        else:
-            ints = flat.view(torch.uint8).to(torch.int64)
-        weights = torch.arange(1, ints.numel() + 1, device=ints.device, dtype=torch.int64) % 1000003
-        value = int(((ints * weights).sum() + ints.sum() * 31).item())
-        acc = (acc * 1000000007 + value + i) % (1 << 61)
+        flat = t.detach().reshape(-1).view(_INT_OF_SIZE[t.element_size()])
+        if chunk and (flat.dtype != chunk[0].dtype or flat.device != chunk[0].device
+                      or size + flat.numel() > _FINGERPRINT_CHUNK):
+            flush()
+        chunk.append(flat)
+        size += flat.numel()
+    flush()
     return acc
 
 

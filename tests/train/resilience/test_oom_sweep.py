@@ -24,7 +24,7 @@ CONFIGS = [
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c.name for c in CONFIGS])
 def test_every_phase_survives_an_oom_at_its_first_allocation(cfg):
     result = run_sweep(cfg, mode="phases")
-    phases = {p.phase for p in result.points}
+    phases = set().union(*(p.phases for p in result.points))
     assert {"forward", "backward", "optimizer", "validate/forward", "consistency",
             "checkpoint"} <= phases, phases
     # The recovery path (vote, repair, quarantine sharing) allocates nothing at all.
@@ -37,15 +37,19 @@ def test_every_phase_survives_an_oom_at_its_first_allocation(cfg):
 def test_choose_points_hits_every_phase_and_op_kind():
     census = {0: [["forward", "mm"], ["forward", "add"], ["backward", "mm"], ["forward", "mm"]],
               1: [["forward", "mm"], ["vote", "x"]]}
-    assert choose_points(census, [0], "phases") == [1, 3]
-    assert choose_points(census, [0], "kinds") == [1, 2, 3, 4]
-    assert choose_points(census, [0, 1], "phases") == [1, 2, 3]
-    assert choose_points(census, [1], "all") == [1, 2]
+    assert choose_points(census, [0], "phases") == {1: [("forward", "mm")], 3: [("backward", "mm")]}
+    assert list(choose_points(census, [0], "kinds")) == [1, 2, 3]
+    assert list(choose_points(census, [0], "ends")) == [1, 2, 3, 4]
+    assert list(choose_points(census, [0], "phases", last=True)) == [3, 4]
+    # rank 1's vote is at position 2, where rank 0 is in forward: labelled by rank 1
+    assert choose_points(census, [0, 1], "phases") == {
+        1: [("forward", "mm")], 2: [("vote", "x")], 3: [("backward", "mm")]}
+    assert list(choose_points(census, [1], "all")) == [1, 2]
 
 
 def test_classify_tells_the_outcomes_apart():
     cfg = SweepConfig()
-    ok = {"status": "ok", "steps": 3, "balanced": True, "quarantined": 0, "trained": 24,
+    ok = {"status": "ok", "steps": cfg.expected_steps, "balanced": True, "quarantined": 0, "trained": 24,
           "drawn": 24, "equal": True, "fired": True}
     assert classify([ok, {**ok, "fired": False}], cfg)[0] == "survived"
     assert classify([{**ok, "fired": False}] * 2, cfg)[0] == "not hit"

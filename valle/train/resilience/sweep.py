@@ -43,13 +43,21 @@ class SweepConfig:
     world_size: int = 2
     scaler: bool = False  # CPU autocast float16 + torch.amp.GradScaler("cpu")
     failing: str = "one"  # one, some, all
-    fault_step: int = 1  # 1: a mid step with validation, consistency check, checkpoint; 3: epoch end
+    # 1: a mid step with validation, consistency check, checkpoint, then the run's end;
+    # 3: the epoch's end (all ranks dry, epoch checkpoint)
+    fault_step: int = 1
     scenario: str = "plain"  # plain, retry (a named forward OOM first), repair (a damaged rank)
 
     @property
     def name(self) -> str:
         return (f"ws{self.world_size} {'fp16+scaler' if self.scaler else 'fp32'} "
                 f"{self.failing} step{self.fault_step} {self.scenario}")
+
+    @property
+    def expected_steps(self) -> int:
+        # The run stops right after the swept step's window (which then also holds the
+        # epoch's end), unless that step is the epoch's last anyway.
+        return min(self.fault_step + 1, STEPS_PER_EPOCH)
 
     def failing_ranks(self) -> list[int]:
         w = self.world_size
@@ -65,6 +73,11 @@ class PointResult:
     op: str
     outcome: str
     detail: str = ""
+    also: list[tuple[str, str]] = field(default_factory=list)  # other ranks' (phase, op) at N
+
+    @property
+    def phases(self) -> set[str]:
+        return {self.phase, *(p for p, _ in self.also)}
 
 
 @dataclass
@@ -89,6 +102,8 @@ def trainer_argv(exp_dir: Path, cfg: SweepConfig, extra: list[str]) -> list[str]
         "--bucket-cap-mb", "0.05", "--collective-timeout", "30", "--save-oom-batches", "0",
         "--dtype", "float16" if cfg.scaler else "float32",
     ]
+    if cfg.expected_steps < STEPS_PER_EPOCH:
+        argv += ["--max-steps", str(cfg.expected_steps)]
     if cfg.scenario == "retry":
         argv += ["--inject-fault", f"forward@{cfg.fault_step}:{w - 1}"]
     elif cfg.scenario == "repair":
@@ -177,24 +192,29 @@ def dry_run(cfg: SweepConfig, root: Path) -> tuple[dict[int, list[list[str]]], d
 
 
 def choose_points(census: dict[int, list[list[str]]], ranks: list[int], mode: str,
-                  last: bool = False) -> list[int]:
-    """Positions N to fail. `kinds`: the first and last occurrence of every (phase, op)
-    on the failing ranks (hits every op kind in every phase); `phases`: the first (with
-    `last`, the last) of every phase; `all`: every position."""
-    longest = max(census[r] for r in ranks)
+                  last: bool = False) -> dict[int, list[tuple[str, str]]]:
+    """Positions N to fail, each with the (phase, op) it was chosen for on each failing
+    rank that chose it (ranks may differ: rank 0 writes the checkpoints). `kinds`: the first (with
+    `last`, the last) occurrence of every (phase, op) on the failing ranks - every op
+    kind in every phase; `ends`: the first and the last of each; `phases`: the first
+    (last) of every phase; `all`: every position."""
     if mode == "all":
-        return list(range(1, len(longest) + 1))
-    seen: dict[tuple, list[int]] = {}
+        longest = max((census[r] for r in ranks), key=len)
+        return {i: [tuple(longest[i - 1])] for i in range(1, len(longest) + 1)}
+    seen: dict[tuple, list[tuple[int, tuple[str, str]]]] = {}
     for rank in ranks:
         for i, (phase, op) in enumerate(census[rank], 1):
             key = (phase,) if mode == "phases" else (phase, op)
-            seen.setdefault(key, []).append(i)
-    points: set[int] = set()
+            seen.setdefault(key, []).append((i, (phase, op)))
+    points: dict[int, list[tuple[str, str]]] = {}
     for positions in seen.values():
-        points.add(max(positions) if last else min(positions))
-        if mode == "kinds":
-            points.add(max(positions))
-    return sorted(points)
+        chosen = [max(positions) if last else min(positions)]
+        if mode == "ends":
+            chosen.append(max(positions))
+        for n, label in chosen:
+            if label not in points.setdefault(n, []):
+                points[n].append(label)
+    return dict(sorted(points.items()))
 
 
 def run_sweep(cfg: SweepConfig, mode: str = "kinds", per_point_s: float = 40.0,
@@ -208,11 +228,8 @@ def run_sweep(cfg: SweepConfig, mode: str = "kinds", per_point_s: float = 40.0,
         torch.save(clean, clean_path)
         ranks = cfg.failing_ranks()
         # In the retry scenario the step's last allocations are the retry's.
-        points = choose_points(census, ranks, mode, last=cfg.scenario == "retry")
-        labels = {}
-        for n in points:
-            rank = next(r for r in ranks if len(census[r]) >= n)
-            labels[n] = census[rank][n - 1]
+        labels = choose_points(census, ranks, mode, last=cfg.scenario == "retry")
+        points = list(labels)
         result = SweepResult(cfg, max(len(census[r]) for r in ranks))
         todo = list(points)
         while todo:
@@ -229,9 +246,9 @@ def run_sweep(cfg: SweepConfig, mode: str = "kinds", per_point_s: float = 40.0,
                 if n not in done:
                     break
                 todo.remove(n)
-                phase, op = labels[n]
+                (phase, op), *also = labels[n]
                 outcome, detail = classify(done[n], cfg)
-                result.points.append(PointResult(n, phase, op, outcome, detail))
+                result.points.append(PointResult(n, phase, op, outcome, detail, also))
                 if progress:
                     progress(cfg, result.points[-1])
             crashed = any(r["status"] == "crash" for records in done.values() for r in records)
@@ -239,9 +256,9 @@ def run_sweep(cfg: SweepConfig, mode: str = "kinds", per_point_s: float = 40.0,
                 # The next point took the group down (a hang, or a process that died
                 # without writing its line on every rank).
                 n = todo.pop(0)
-                phase, op = labels[n]
+                (phase, op), *also = labels[n]
                 result.points.append(PointResult(n, phase, op, "hang" if hung else "crash",
-                                                 "no result from every rank"))
+                                                 "no result from every rank", also))
                 if progress:
                     progress(cfg, result.points[-1])
         return result
@@ -273,12 +290,13 @@ def classify(records: list[dict], cfg: SweepConfig) -> tuple[str, str]:
         return "not hit", ""
     r0 = records[0]
     problems = []
-    if any(r["steps"] != STEPS_PER_EPOCH for r in records):
+    if any(r["steps"] != cfg.expected_steps for r in records):
         problems.append(f"steps {[r['steps'] for r in records]}")
     if not all(r["balanced"] for r in records) or r0["trained"] != r0["drawn"]:
         problems.append(f"cuts: drawn {r0['drawn']}, trained {r0['trained']}")
-    if r0["quarantined"]:
-        problems.append(f"{r0['quarantined']} healthy cut(s) quarantined")
+    quarantined = max(r["quarantined"] for r in records)
+    if quarantined:
+        problems.append(f"{quarantined} healthy cut(s) quarantined")
     if not all(r["equal"] for r in records):
         problems.append("final parameters differ from the fault-free run")
     return ("lost", "; ".join(problems)) if problems else ("survived", "")
@@ -299,11 +317,13 @@ def markdown_table(results: list[SweepResult]) -> str:
 
 
 def phase_table(results: list[SweepResult]) -> str:
-    """Points per phase and outcome, over every configuration."""
+    """Points per phase and outcome, over every configuration (a point that hits
+    different phases on different ranks counts in each)."""
     per_phase: dict[str, Counter] = {}
     for r in results:
         for p in r.points:
-            per_phase.setdefault(p.phase, Counter())[p.outcome] += 1
+            for phase in p.phases:
+                per_phase.setdefault(phase, Counter())[p.outcome] += 1
     lines = ["| phase | " + " | ".join(OUTCOMES) + " |", "|---" * (1 + len(OUTCOMES)) + "|"]
     for phase in sorted(per_phase):
         c = per_phase[phase]
