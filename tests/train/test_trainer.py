@@ -284,3 +284,27 @@ def test_missing_checkpoint_named_by_a_flag_is_a_usage_error(tmp_path, caplog):
         code = main_from_config(parse_config(argv(tmp_path / "exp", "--start-batch", "7")))
     assert code == 2
     assert any("checkpoint-7.pt" in r.getMessage() for r in caplog.records)
+
+
+def test_start_from_a_lifeiteng_checkpoint_takes_its_weights_and_architecture(tmp_path):
+    from pathlib import Path
+
+    from valle.models.convert import load_model_checkpoint
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "lifeiteng" / "lifeiteng_tiny.pt"
+    state, hparams = load_model_checkpoint(fixture)
+    # the flags say d=32/1 layer/8 codebooks; the checkpoint's 4 codebooks and 4 heads win
+    summary = run_local(tmp_path / "exp", "--start-from", str(fixture), "--base-lr", "0",
+                        "--max-steps", "1", "--average-period", "0", cuts=8, batch=8)
+    assert summary.steps == 1 and summary.model_state.keys() == state.keys()
+    assert_same_params(summary.model_state, state, rtol=0, atol=0)  # lr 0: the loaded weights
+    saved = load_checkpoint(tmp_path / "exp" / "best-train-loss.pt")
+    assert saved["config"]["start_from"] == str(fixture) and hparams["num_quantizers"] == 4
+
+
+def test_start_from_a_missing_file_is_a_usage_error(tmp_path, caplog):
+    from valle.train.loop import main_from_config
+
+    with caplog.at_level(logging.ERROR):
+        code = main_from_config(parse_config(argv(tmp_path / "exp", "--start-from", "nope.pt")))
+    assert code == 2 and any("nope.pt" in r.getMessage() for r in caplog.records)

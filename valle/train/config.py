@@ -29,6 +29,7 @@ class TrainConfig:
     num_epochs: int = 20
     start_epoch: int = 1
     start_batch: int = 0
+    start_from: str = ""  # initial weights (ours or lifeiteng/vall-e's)
     max_steps: int = 0  # 0: no limit
     seed: int = 42
     device: str = "auto"
@@ -90,6 +91,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--start-epoch", type=int, default=1,
                    help="resume from epoch-(N-1).pt; default: the newest valid checkpoint in --exp-dir")
     g.add_argument("--start-batch", type=int, default=0, help="resume from checkpoint-N.pt")
+    g.add_argument("--start-from", default="",
+                   help="initial weights (and architecture) from a checkpoint: this project's or "
+                        "lifeiteng/vall-e's (converted on load); optimizer and data start afresh")
     g.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: no limit)")
     g.add_argument("--seed", type=int, default=42)
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")

@@ -218,7 +218,14 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector) -> Run:
 
     torch.manual_seed(cfg.seed)
     payload = find_resume_payload(cfg)
-    model = get_model(_model_params(cfg, payload)).to(ctx.device)
+    architecture = payload
+    if payload is None and cfg.start_from:
+        from valle.models.convert import load_model_checkpoint
+
+        # the architecture of the weights we start from, whatever the flags say
+        _, hparams = load_model_checkpoint(cfg.start_from)
+        architecture = {"config": hparams, "model": {}}
+    model = get_model(_model_params(cfg, architecture)).to(ctx.device)
     named = model.stage_parameters(cfg.train_stage)
     optimizer = build_optimizer(cfg.optimizer_name, named, cfg.base_lr, weight_decay=cfg.weight_decay)
     scheduler = build_scheduler(cfg.scheduler_name, optimizer, cfg.warmup_steps,
@@ -255,6 +262,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector) -> Run:
     if payload is not None:
         # A new stage has a new memory profile: only a same-stage resume skips the scan.
         run.resumed = not restore(run, payload)
+    elif cfg.start_from:
+        start_from(run)
     # After restore: state created from the weights training starts from.
     stepper.materialize_state()
     logger.info("model: %.2f M parameters, %.2f M trained in stage %d; grad sync %s; %d rank(s) on %s",
@@ -265,19 +274,30 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector) -> Run:
 
 
 def _model_params(cfg: TrainConfig, payload: dict | None):
-    """Model hyper-parameters: the flags, or a checkpoint's when resuming."""
+    """Model hyper-parameters: the flags, or a checkpoint's when resuming (old
+    checkpoints included: keys they predate take the values they were trained with)."""
     import argparse
 
     from valle.models import add_model_arguments
+    from valle.models.convert import ours_hparams
 
     defaults = argparse.ArgumentParser(add_help=False)
     add_model_arguments(defaults)
     values = {**vars(defaults.parse_args([])), **cfg.args}
     if payload is not None:
         # Resuming: the architecture is the checkpoint's, whatever the flags say.
-        saved = payload.get("config", {})
-        values.update({k: saved[k] for k in vars(defaults.parse_args([])) if k in saved})
+        values.update(ours_hparams(payload.get("config", {}), payload["model"]))
     return argparse.Namespace(**values)
+
+
+def start_from(run: Run) -> None:
+    """--start-from: initial weights from a checkpoint (ours or lifeiteng/vall-e's); the
+    architecture comes from it too; optimizer, schedule and data start afresh."""
+    from valle.models.convert import load_model_checkpoint
+
+    state, _ = load_model_checkpoint(run.cfg.start_from)
+    run.model.load_state_dict(state, strict=True)
+    logger.info("initial weights from %s", run.cfg.start_from)
 
 
 def backward_reserve_mb(cfg: TrainConfig, ctx: DistContext) -> int:
@@ -490,6 +510,7 @@ _PEER_FAILURE_MARKERS = ("Timed out", "timed out", "Connection reset", "Connecti
 
 def main_from_config(cfg: TrainConfig) -> int:
     """Run and map unrecoverable failures to exit codes with one clear message."""
+    from valle.models.convert import CheckpointError
     from valle.train.resilience.step import (
         ConsistencyError,
         DdpBackwardOomError,
@@ -502,7 +523,7 @@ def main_from_config(cfg: TrainConfig) -> int:
             OomNotDataError) as e:
         logger.error("%s", e)
         return EXIT_CODES[type(e).__name__]
-    except (FileNotFoundError, CorruptCheckpointError) as e:
+    except (FileNotFoundError, CorruptCheckpointError, CheckpointError) as e:
         # A checkpoint or manifest named by a flag (--start-batch, --start-epoch,
         # --manifest-dir, --text-tokens) that is not there: a usage error.
         logger.error("%s", e)
