@@ -41,16 +41,16 @@ if [ "$stage" -le 0 ] && [ "$stop_stage" -ge 0 ]; then
     log 0 "corpus found at $corpus_dir: no download"
   else
     log 0 "download LibriTTS ($dataset_parts) -> $(dirname "$corpus_dir")"
-    "$python" -c "import sys; from lhotse.recipes import download_libritts as d; d(sys.argv[1], dataset_parts=sys.argv[2].split())" \
-      "$(dirname "$corpus_dir")" "$dataset_parts"
+    # shellcheck disable=SC2086  # one argument per part
+    "${recipe[@]}" download libritts "$(dirname "$corpus_dir")" $dataset_parts
   fi
 fi
 
 if [ "$stage" -le 1 ] && [ "$stop_stage" -ge 1 ]; then
   [ -d "$corpus_dir" ] || { echo "$0: no corpus at $corpus_dir (run stage 0 or pass --corpus-dir)" >&2; exit 1; }
   log 1 "lhotse prepare $corpus_dir -> $data_dir/manifests"
-  "$python" -c "import sys; from lhotse.recipes import prepare_libritts as p; p(sys.argv[1], sys.argv[2].split(), sys.argv[3], num_jobs=max(1, int(sys.argv[4])))" \
-    "$corpus_dir" "$dataset_parts" "$data_dir/manifests" "$num_jobs"
+  # shellcheck disable=SC2086  # one argument per part
+  "${recipe[@]}" prepare libritts --num-jobs "$num_jobs" "$corpus_dir" "$data_dir/manifests" $dataset_parts
 fi
 
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then

@@ -39,15 +39,14 @@ if [ "$stage" -le 0 ] && [ "$stop_stage" -ge 0 ]; then
     log 0 "corpus found at $corpus_dir: no download"
   else
     log 0 "download LJSpeech -> $(dirname "$corpus_dir")"
-    "$python" -c "import sys; from lhotse.recipes import download_ljspeech as d; d(sys.argv[1])" "$(dirname "$corpus_dir")"
+    "${recipe[@]}" download ljspeech "$(dirname "$corpus_dir")"
   fi
 fi
 
 if [ "$stage" -le 1 ] && [ "$stop_stage" -ge 1 ]; then
   [ -d "$corpus_dir" ] || { echo "$0: no corpus at $corpus_dir (run stage 0 or pass --corpus-dir)" >&2; exit 1; }
   log 1 "lhotse prepare $corpus_dir -> $data_dir/manifests"
-  "$python" -c "import sys; from lhotse.recipes import prepare_ljspeech as p; p(sys.argv[1], sys.argv[2])" \
-    "$corpus_dir" "$data_dir/manifests"
+  "${recipe[@]}" prepare ljspeech "$corpus_dir" "$data_dir/manifests"
 fi
 
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then

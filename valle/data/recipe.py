@@ -4,6 +4,7 @@
     python -m valle.data.recipe split ALL --dev N --test M --prefix P --output-dir D
     python -m valle.data.recipe describe CUTS [CUTS ...]     counts, hours, durations, text tokens
     python -m valle.data.recipe shar CUTS OUT_DIR [--shard-size 1000]
+    python -m valle.data.recipe download|prepare libritts|ljspeech PATHS...   lhotse's recipes
 
 Errors are one line naming the file (exit 2); dropped items are listed, never silent.
 """
@@ -131,6 +132,25 @@ def shar(path: Path, out_dir: Path, shard_size: int) -> list[str]:
     return files
 
 
+def lhotse_step(step: str, corpus: str, args: list[str], num_jobs: int = 1) -> None:
+    """lhotse's download_/prepare_<corpus> (stages 0-1), a failure as one line naming the corpus
+    directory instead of lhotse's assertion traceback."""
+    import importlib
+
+    mod = importlib.import_module(f"lhotse.recipes.{corpus}")
+    fn = getattr(mod, f"{step}_{corpus}")
+    try:
+        if step == "download":
+            target, *parts = args
+            fn(target, dataset_parts=parts) if parts else fn(target)
+        else:
+            src, out, *parts = args
+            fn(src, parts, out, num_jobs=max(1, num_jobs)) if parts else fn(src, out)
+    except Exception as e:  # lhotse raises AssertionError/OSError/ValueError on bad corpora
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ManifestError(f"lhotse {step}_{corpus} {args[0]}: {type(e).__name__}: {msg}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m valle.data.recipe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -150,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("cuts", type=Path)
     h.add_argument("output_dir", type=Path)
     h.add_argument("--shard-size", type=int, default=1000)
+    for step in ("download", "prepare"):
+        x = sub.add_parser(step, help=f"lhotse's {step}_<corpus> with a one-line error")
+        x.add_argument("corpus", choices=["libritts", "ljspeech"])
+        x.add_argument("paths", nargs="+", help="download: TARGET [PARTS...]; prepare: CORPUS_DIR OUT_DIR [PARTS...]")
+        x.add_argument("--num-jobs", type=int, default=1)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -160,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "describe":
             for path in args.cuts:
                 describe(path)
-        else:
+        elif args.cmd == "shar":
             shar(args.cuts, args.output_dir, args.shard_size)
+        else:
+            lhotse_step(args.cmd, args.corpus, args.paths, args.num_jobs)
     except ManifestError as e:
         print(f"{p.prog} {args.cmd}: error: {e}", file=sys.stderr)
         return 2
