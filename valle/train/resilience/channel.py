@@ -18,17 +18,19 @@ Three buffers, each all-reduced (summed) in place:
 * `bytes`: a (world, capacity) uint8 table for pickled objects, exchanged in
   as many rounds as the longest object needs (sizes travel first in `ints`).
 
-On CPU the host staging copies are the buffers themselves (numpy views, no
-torch op at all); on CUDA they are pinned host tensors copied in place.
+The host staging copies are Python arrays seen as tensors (`torch.frombuffer`):
+the host writes and reads them with no torch op at all (and no numpy: torch
+alone suffices). On CPU they are the buffers themselves; on CUDA they are
+copied to and from the device buffers in place.
 """
 
 from __future__ import annotations
 
 import pickle
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -44,32 +46,37 @@ class ControlChannel:
                  int_slots: int = INT_SLOTS, object_bytes: int = OBJECT_BYTES):
         self.ctx = ctx
         world, device = ctx.world_size, ctx.device
-        self.f64 = torch.zeros(vote_slots, dtype=torch.float64, device=device)
-        self.int_slots = int_slots
-        self.ints = torch.zeros(world * int_slots, dtype=torch.int64, device=device)
-        self.bytes = torch.zeros(world, object_bytes, dtype=torch.uint8, device=device)
-        self._host = {name: self._staging(t) for name, t in
-                      (("f64", self.f64), ("ints", self.ints), ("bytes", self.bytes))}
+        self.int_slots, self.object_bytes = int_slots, object_bytes
+        # Host side: Python arrays, written and read without any torch op.
+        self._f64_host = array("d", bytes(8 * vote_slots))
+        self._int_host = array("q", bytes(8 * world * int_slots))
+        self._byte_host = bytearray(world * object_bytes)
+        host = {"f64": torch.frombuffer(self._f64_host, dtype=torch.float64),
+                "ints": torch.frombuffer(self._int_host, dtype=torch.int64),
+                "bytes": torch.frombuffer(self._byte_host, dtype=torch.uint8)}
+        self._host = host
+        if device.type == "cpu":
+            self.f64, self.ints, self.bytes = host["f64"], host["ints"], host["bytes"]
+        else:
+            self.f64 = torch.zeros(vote_slots, dtype=torch.float64, device=device)
+            self.ints = torch.zeros(world * int_slots, dtype=torch.int64, device=device)
+            self.bytes = torch.zeros(world * object_bytes, dtype=torch.uint8, device=device)
 
-    def _staging(self, device_tensor: torch.Tensor) -> torch.Tensor:
-        if device_tensor.device.type == "cpu":
-            return device_tensor
-        return torch.zeros(device_tensor.shape, dtype=device_tensor.dtype, pin_memory=True)
-
-    def _np(self, name: str) -> np.ndarray:
-        return self._host[name].numpy()
-
-    def _upload(self, name: str, device_view: torch.Tensor, host_view: torch.Tensor) -> None:
+    def _exchange(self, name: str, count: int) -> None:
+        """All-reduce the first `count` elements of a buffer, host copy in and out."""
+        device_view = getattr(self, name).narrow(0, 0, count)
+        host_view = self._host[name].narrow(0, 0, count)
         if device_view.data_ptr() != host_view.data_ptr():
-            device_view.copy_(host_view, non_blocking=True)
-
-    def _download(self, name: str, device_view: torch.Tensor, host_view: torch.Tensor) -> None:
-        if device_view.data_ptr() != host_view.data_ptr():
-            host_view.copy_(device_view)  # synchronous: the host reads it next
-
-    def _all_reduce(self, tensor: torch.Tensor) -> None:
+            device_view.copy_(host_view)
         if self.ctx.distributed:
-            dist.all_reduce(tensor, group=self.ctx.group)
+            dist.all_reduce(device_view, group=self.ctx.group)
+        if device_view.data_ptr() != host_view.data_ptr():
+            host_view.copy_(device_view)
+
+    def _upload_f64(self, count: int) -> None:
+        """Host-written vote slots to the device (the rest were filled there)."""
+        if self.f64.data_ptr() != self._host["f64"].data_ptr():
+            self.f64.narrow(0, 0, count).copy_(self._host["f64"].narrow(0, 0, count))
 
     # -- the vote -----------------------------------------------------------------
 
@@ -82,13 +89,14 @@ class ControlChannel:
         `host_values` into its first slots (the rest were filled on the device)."""
         n = len(host_values)
         used = n if used is None else used
-        self._np("f64")[:n] = host_values
-        self._upload("f64", self.f64.narrow(0, 0, n), self._host["f64"].narrow(0, 0, n))
+        self._f64_host[:n] = array("d", host_values)
+        self._upload_f64(n)
         view = self.f64.narrow(0, 0, used)
-        self._all_reduce(view)
-        host = self._host["f64"].narrow(0, 0, used)
-        self._download("f64", view, host)
-        return host.numpy().tolist()
+        if self.ctx.distributed:
+            dist.all_reduce(view, group=self.ctx.group)
+        if view.data_ptr() != self._host["f64"].data_ptr():
+            self._host["f64"].narrow(0, 0, used).copy_(view)
+        return self._f64_host[:used].tolist()
 
     # -- all-gathers ------------------------------------------------------------------
 
@@ -98,35 +106,30 @@ class ControlChannel:
         if k > self.int_slots:
             raise ValueError(f"gather_ints: {k} values, the channel holds {self.int_slots}")
         # A contiguous (world, k) prefix of the flat buffer (collectives need contiguity).
-        table = self._np("ints")[:world * k].reshape(world, k)
-        table[:] = 0
-        table[self.ctx.rank] = values
-        device_view = self.ints.narrow(0, 0, world * k)
-        host_view = self._host["ints"].narrow(0, 0, world * k)
-        self._upload("ints", device_view, host_view)
-        self._all_reduce(device_view)
-        self._download("ints", device_view, host_view)
-        return host_view.numpy().reshape(world, k).tolist()
+        table = array("q", bytes(8 * world * k))
+        table[self.ctx.rank * k:(self.ctx.rank + 1) * k] = array("q", values)
+        self._int_host[:world * k] = table
+        self._exchange("ints", world * k)
+        flat = self._int_host[:world * k].tolist()
+        return [flat[r * k:(r + 1) * k] for r in range(world)]
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's picklable object, in rank order."""
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         sizes = [row[0] for row in self.gather_ints([len(payload)])]
-        capacity = self.bytes.shape[1]
+        capacity, world = self.object_bytes, self.ctx.world_size
         rounds = max(1, -(-max(sizes) // capacity))
         received = [bytearray() for _ in sizes]
-        table = self._np("bytes")
+        mine = self.ctx.rank * capacity
         for r in range(rounds):
             lo = r * capacity
             chunk = payload[lo:lo + capacity]
-            table[:] = 0
-            table[self.ctx.rank, :len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
-            self._upload("bytes", self.bytes, self._host["bytes"])
-            self._all_reduce(self.bytes)
-            self._download("bytes", self.bytes, self._host["bytes"])
+            self._byte_host[:] = bytes(world * capacity)
+            self._byte_host[mine:mine + len(chunk)] = chunk
+            self._exchange("bytes", world * capacity)
             for rank, size in enumerate(sizes):
                 take = min(capacity, max(0, size - lo))
-                received[rank] += table[rank, :take].tobytes()
+                received[rank] += self._byte_host[rank * capacity:rank * capacity + take]
         return [pickle.loads(bytes(b)) for b in received]
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
