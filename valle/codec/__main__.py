@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--max-frames", type=int, default=200_000)
     f.add_argument("--limit", type=int, default=None, help="fit on the first N utterances only")
     f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--first-codebook-size", type=int, default=1024,
+                   help="codes in use in codebook 0 (what the AR predicts); fewer learn faster")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -65,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     paths = list(args.recordings) + list(args.cuts)
     if not paths:
         p.error("fit: give --recordings or --cuts")
-    cfg = FitConfig(iterations=args.iterations, max_frames=args.max_frames, seed=args.seed)
+    if not 1 <= args.first_codebook_size <= 1024:
+        p.error("--first-codebook-size must be in [1, 1024]")
+    cfg = FitConfig(iterations=args.iterations, max_frames=args.max_frames, seed=args.seed,
+                    first_codebook_size=args.first_codebook_size)
     try:
         codec = MelRvqCodec.fit(iter_manifest_audio(paths, args.limit), cfg)
     except (FileNotFoundError, RuntimeError, ValueError) as e:

@@ -39,6 +39,9 @@ class FitConfig:
     num_quantizers: int = NUM_QUANTIZERS
     codebook_size: int = CODEBOOK_SIZE
     iterations: int = 12  # Lloyd iterations per stage; more barely lowers the distortion
+    # Codes in use in codebook 0 (<= codebook_size). Fewer, coarser classes make the AR's task
+    # (codebook 0) far easier to learn; the residual stages carry the detail for the NAR.
+    first_codebook_size: int = CODEBOOK_SIZE
     max_frames: int = 200_000  # frames sampled for fitting (memory and time bound)
     seed: int = 0
     mel: MelConfig = field(default_factory=MelConfig)
@@ -94,11 +97,13 @@ class MelRvqCodec:
 
     def __init__(self, codebooks: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
                  mel: MelConfig | None = None, griffin_lim_iters: int = 32, info: dict | None = None,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", sizes: list[int] | None = None) -> None:
         if codebooks.dim() != 3 or codebooks.shape[2] != mean.numel():
             raise ValueError(f"codebooks must be (Q, K, n_mels={mean.numel()}), got {tuple(codebooks.shape)}")
         self.device = torch.device(device)
         self.codebooks = codebooks.float()
+        # codes in use per codebook (the rest of the 1024 rows are never chosen)
+        self.sizes = list(sizes) if sizes else [int(codebooks.shape[1])] * int(codebooks.shape[0])
         self.mean, self.std = mean.float(), std.float()
         self.mel_config = mel or MelConfig()
         self.griffin_lim_iters = griffin_lim_iters
@@ -123,8 +128,8 @@ class MelRvqCodec:
         """(T, n_mels) standardised features -> (Q, T) codes (greedy residual search)."""
         residual = feats.float().clone()
         codes = []
-        for cb in self.codebooks:
-            idx, _ = _nearest(residual, cb)
+        for cb, size in zip(self.codebooks, self.sizes):
+            idx, _ = _nearest(residual, cb[:size])
             residual -= cb[idx]
             codes.append(idx)
         return torch.stack(codes)
@@ -169,7 +174,7 @@ class MelRvqCodec:
     def state_dict(self) -> dict:
         return {"format": FORMAT, "codebooks": self.codebooks, "mean": self.mean, "std": self.std,
                 "mel": self.mel_config.to_dict(), "griffin_lim_iters": self.griffin_lim_iters,
-                "info": self.info}
+                "info": self.info, "sizes": self.sizes}
 
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
@@ -190,7 +195,7 @@ class MelRvqCodec:
         if not isinstance(state, dict) or state.get("format") != FORMAT:
             raise ValueError(f"{path}: not a mel-rvq codec state (format {FORMAT!r} expected)")
         return cls(state["codebooks"], state["mean"], state["std"], MelConfig(**state["mel"]),
-                   state.get("griffin_lim_iters", 32), state.get("info"), device)
+                   state.get("griffin_lim_iters", 32), state.get("info"), device, state.get("sizes"))
 
     # ---- fitting
     @classmethod
@@ -209,14 +214,17 @@ class MelRvqCodec:
             x = x[torch.randperm(x.shape[0], generator=gen)[: cfg.max_frames]]
         mean, std = x.mean(0), x.std(0).clamp_min(1e-3)
         residual = (x - mean) / std
-        codebooks = []
+        codebooks, sizes = [], []
         for q in range(cfg.num_quantizers):
-            centers = kmeans(residual, cfg.codebook_size, cfg.iterations, gen)
+            size = cfg.first_codebook_size if q == 0 else cfg.codebook_size
+            centers = kmeans(residual, size, cfg.iterations, gen)
             idx, dist = _nearest(residual, centers)
             residual = residual - centers[idx]
-            codebooks.append(centers)
+            # unused rows repeat the used ones: never chosen, harmless if decoded
+            codebooks.append(centers[torch.arange(cfg.codebook_size) % size])
+            sizes.append(size)
             logger.info("mel-rvq fit: stage %d/%d, residual energy per frame %.3f (%.1fs elapsed)",
                         q + 1, cfg.num_quantizers, float(dist.mean()), time.time() - t0)
         info = {"fit_frames": int(x.shape[0]), "fit_seconds_of_audio": round(seconds, 1),
                 "utterances": len(frames), "iterations": cfg.iterations, "seed": cfg.seed}
-        return cls(torch.stack(codebooks), mean, std, cfg.mel, info=info)
+        return cls(torch.stack(codebooks), mean, std, cfg.mel, info=info, sizes=sizes)

@@ -4,7 +4,9 @@
     synth      sentences.txt -> {out}/wavs, metadata.tsv (utt, speaker, wav, text), parts.tsv (utt, part)
     manifests  -> {prefix}_{recordings,supervisions}_{train,dev,test}.jsonl.gz
 
-train: the training sentences, each in ``--voices-per-sentence`` of the training voices.
+train: the training sentences, each in ``--voices-per-sentence`` of the training voices, plus
+       ``--generated N`` sentences made of random words of the training sentences (a few hundred
+       natural sentences let a model memorise them; many varied ones make it learn phonemes).
 dev:   other sentences in the training voices (validation loss: new text, known voices).
 test:  other sentences again, each in every held-out voice (zero-shot synthesis: new text,
        new voice; prompts are other test utterances of the same voice).
@@ -42,16 +44,33 @@ def split_sentences(sentences: list[str], n_dev: int, n_test: int, seed: int) ->
             "train": sorted(idx[n_test + n_dev :])}
 
 
+def generate_sentences(source: list[str], n: int, seed: int) -> list[str]:
+    """``n`` utterances drawn from the words of ``source`` (training text only): half are one
+    sentence of 4-10 words, half two sentences of 3-7 words. Two-sentence utterances teach the
+    AR what zero-shot synthesis asks of it: after a finished sentence and its pause (the
+    prompt), speech goes on while text is left."""
+    words = sorted({w.strip(".,;:!?\"'").lower() for s in source for w in s.split()} - {""})
+    rng = random.Random(seed + 1)
+
+    def sentence(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(rng.randint(lo, hi))).capitalize() + "."
+
+    return [sentence(4, 10) if k % 2 == 0 else f"{sentence(3, 7)} {sentence(3, 7)}" for k in range(n)]
+
+
 def plan(sentences: list[str], n_dev: int, n_test: int, voices_per_sentence: int, seed: int,
-         limit: int | None = None):
-    """(utt, part, voice, text) rows; ``limit`` caps the training sentences (tests)."""
+         limit: int | None = None, generated: int = 0):
+    """(utt, part, voice, text) rows; ``limit`` caps the natural training sentences (tests)."""
     parts = split_sentences(sentences, n_dev, n_test, seed)
     rows = []
-    train = parts["train"][:limit] if limit else parts["train"]
-    for k, i in enumerate(train):
+    train_ids = parts["train"][:limit] if limit else parts["train"]
+    train = [(f"{i:04d}", sentences[i]) for i in train_ids]
+    extra = generate_sentences([sentences[i] for i in parts["train"]], generated, seed)
+    train += [(f"g{k:05d}", text) for k, text in enumerate(extra)]
+    for k, (key, text) in enumerate(train):
         for j in range(voices_per_sentence):
             v = TRAIN_VOICES[(k + j) % len(TRAIN_VOICES)]
-            rows.append((f"{v.speaker}_{i:04d}", "train", v, sentences[i]))
+            rows.append((f"{v.speaker}_{key}", "train", v, text))
     for k, i in enumerate(parts["dev"]):
         v = TRAIN_VOICES[k % len(TRAIN_VOICES)]
         rows.append((f"{v.speaker}_{i:04d}", "dev", v, sentences[i]))
@@ -66,7 +85,8 @@ def synth(args) -> None:
 
     out = Path(args.out_dir)
     sentences = read_sentences(args.sentences)
-    rows = plan(sentences, args.num_dev, args.num_test, args.voices_per_sentence, args.seed, args.limit)
+    rows = plan(sentences, args.num_dev, args.num_test, args.voices_per_sentence, args.seed, args.limit,
+                args.generated)
     engine = EspeakSynth.get()
     meta, parts = [], []
     for n, (utt, part, voice, text) in enumerate(rows, start=1):
@@ -111,7 +131,8 @@ def main() -> None:
     s.add_argument("--num-dev", type=int, default=16)
     s.add_argument("--num-test", type=int, default=16)
     s.add_argument("--voices-per-sentence", type=int, default=1)
-    s.add_argument("--limit", type=int, default=None, help="at most N training sentences")
+    s.add_argument("--limit", type=int, default=None, help="at most N natural training sentences")
+    s.add_argument("--generated", type=int, default=0, help="add N generated training sentences")
     s.add_argument("--seed", type=int, default=0)
     m = sub.add_parser("manifests")
     m.add_argument("--corpus-dir", required=True)
