@@ -62,7 +62,7 @@ def recipes(tmp_path_factory):
     lj_corpus = make_ljspeech(lj_root, LJ_ROWS)
     lj = start_recipe("egs/ljspeech/prepare.sh", "--data-dir", str(lj_root / "data"), "--corpus-dir",
                       str(lj_corpus), "--num-jobs", "0", "--num-dev", "1", "--num-test", "1",
-                      "--extra-tokenizer-flags", TOKENIZER_FLAGS)
+                      "--stop-stage", "5", "--extra-tokenizer-flags", TOKENIZER_FLAGS)
     root = tmp_path_factory.mktemp("libritts")
     corpus = make_libritts(root, PARTS)
     data = root / "data"
@@ -163,6 +163,8 @@ def test_ljspeech_recipe_resamples_cuts_and_reads_normalized_text(ljspeech):
     assert cut.supervisions[0].custom["tokens"]["text"] == tokenizer.phonemize_one(rows[0][1]).symbols
     assert cut.supervisions[0].custom["tokens"]["text"] != tokenizer.phonemize_one(rows[0][0]).symbols
     assert "ljspeech_cuts_train.jsonl.gz: 3 cuts" in log
+    shar = CutSet.from_shar(in_dir=data / "shar" / "train")  # stage 5
+    assert sorted(c.id for c in shar) == sorted(c.id for c in parts["train"])
 
 
 @pytest.mark.multiproc
