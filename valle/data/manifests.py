@@ -71,34 +71,65 @@ def _deserialize(path: Path, cls, report: V.ValidationReport) -> dict:
     return items
 
 
-def load_cuts(rec_path: str | os.PathLike, sup_path: str | os.PathLike,
-              report: V.ValidationReport) -> list:
-    """Cuts (one per supervision, in supervision order) from a recordings and a supervisions
-    manifest. Problems go to ``report``; cut ids are supervision ids, hence unique."""
-    from lhotse import Recording, SupervisionSegment
-    from lhotse.cut import MonoCut
-    from lhotse.utils import fastcopy
+class PartCuts:
+    """The cuts of a part (one per supervision, in supervision order), streamed: recordings
+    are indexed in memory, supervisions are read twice: a first pass checks them, reports
+    problems to ``report`` and keeps only the cut ids; iterating makes the cuts again, one
+    at a time, so a part's cuts are never all in memory. Cut ids are supervision ids."""
 
-    recordings = _deserialize(Path(rec_path), Recording, report)
-    supervisions = _deserialize(Path(sup_path), SupervisionSegment, report)
-    cuts, used = [], set()
-    for sup in supervisions.values():
-        rec = recordings.get(sup.recording_id)
-        if rec is None:
-            report.add(sup.id, V.NO_RECORDING, f"recording {sup.recording_id!r} is not in {Path(rec_path).name}")
-            continue
-        used.add(rec.id)
-        if sup.start < 0 or sup.end > rec.duration + END_TOLERANCE_S:
-            report.add(sup.id, V.BAD_SEGMENT, f"segment {sup.start:.2f}-{sup.end:.2f}s lies outside "
-                                              f"recording {rec.id} ({rec.duration:.2f}s)")
-            continue
-        channel = sup.channel if isinstance(sup.channel, int) else sup.channel[0]
-        duration = min(sup.duration, rec.duration - sup.start)
-        cuts.append(MonoCut(id=sup.id, start=sup.start, duration=duration, channel=channel,
-                            recording=rec, supervisions=[fastcopy(sup, start=0.0, duration=duration)]))
-    for rec_id in recordings.keys() - used:
-        report.add(rec_id, V.NO_SUPERVISION, "recording without a supervision")
-    return cuts
+    def __init__(self, rec_path: str | os.PathLike, sup_path: str | os.PathLike,
+                 report: V.ValidationReport) -> None:
+        from lhotse import Recording
+
+        self.rec_path, self.sup_path = Path(rec_path), Path(sup_path)
+        self.recordings = _deserialize(self.rec_path, Recording, report)
+        used: set[str] = set()
+        self.ids = [cut.id for cut in self._cuts(report, used)]
+        for rec_id in self.recordings.keys() - used:
+            report.add(rec_id, V.NO_SUPERVISION, "recording without a supervision")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __iter__(self) -> Iterator:
+        return self._cuts(V.ValidationReport(), set())  # problems were reported by the first pass
+
+    def _cuts(self, report: V.ValidationReport, used: set[str]) -> Iterator:
+        from lhotse import SupervisionSegment
+        from lhotse.cut import MonoCut
+        from lhotse.utils import fastcopy
+
+        seen: set[str] = set()
+        for d in read_jsonl(self.sup_path):
+            sup_id = str(d.get("id", "<no id>")) if isinstance(d, dict) else "<not an object>"
+            try:
+                sup = SupervisionSegment.from_dict(d)
+            except Exception as e:  # lhotse raises TypeError/KeyError/ValueError on bad fields
+                report.add(sup_id, V.BAD_MANIFEST_ITEM, f"{self.sup_path.name}: {type(e).__name__}: {e}"[:300])
+                continue
+            if sup.id in seen:
+                report.add(sup.id, V.DUPLICATE_ID, f"id repeated in {self.sup_path.name} (the first is kept)")
+                continue
+            seen.add(sup.id)
+            rec = self.recordings.get(sup.recording_id)
+            if rec is None:
+                report.add(sup.id, V.NO_RECORDING, f"recording {sup.recording_id!r} is not in {self.rec_path.name}")
+                continue
+            used.add(rec.id)
+            if sup.start < 0 or sup.end > rec.duration + END_TOLERANCE_S:
+                report.add(sup.id, V.BAD_SEGMENT, f"segment {sup.start:.2f}-{sup.end:.2f}s lies outside "
+                                                  f"recording {rec.id} ({rec.duration:.2f}s)")
+                continue
+            channel = sup.channel if isinstance(sup.channel, int) else sup.channel[0]
+            duration = min(sup.duration, rec.duration - sup.start)
+            yield MonoCut(id=sup.id, start=sup.start, duration=duration, channel=channel, recording=rec,
+                          supervisions=[fastcopy(sup, start=0.0, duration=duration)])
+
+
+def load_cuts(rec_path: str | os.PathLike, sup_path: str | os.PathLike,
+              report: V.ValidationReport) -> PartCuts:
+    """The cuts of a part (see ``PartCuts``); problems go to ``report``."""
+    return PartCuts(rec_path, sup_path, report)
 
 
 def supervision_text(sup) -> str:

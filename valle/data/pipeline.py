@@ -23,6 +23,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -342,13 +343,13 @@ class PartTokenizer:
         return meta
 
     @staticmethod
-    def _check_plan(part: str, chunk_dir: Path, cuts: list, size: int) -> None:
+    def _check_plan(part: str, chunk_dir: Path, ids: list[str], size: int) -> None:
         """Finished chunks are reused only for the same cuts and chunk size; otherwise (the
         manifest or --chunk-size changed) they are discarded, and the log says so."""
         import hashlib
 
-        digest = hashlib.sha1("\n".join(c.id for c in cuts).encode()).hexdigest()
-        plan = {"chunk_size": size, "num_cuts": len(cuts), "cut_ids_sha1": digest}
+        digest = hashlib.sha1("\n".join(ids).encode()).hexdigest()
+        plan = {"chunk_size": size, "num_cuts": len(ids), "cut_ids_sha1": digest}
         plan_path = chunk_dir / "plan.json"
         if plan_path.is_file() and json.loads(plan_path.read_text()) != plan:
             logger.warning("part %s: the cuts or --chunk-size changed since %s was started: "
@@ -358,13 +359,14 @@ class PartTokenizer:
         if not plan_path.is_file():
             _atomic_write(plan_path, json.dumps(plan))
 
-    def run(self, part: str, cuts: list, load_report: V.ValidationReport) -> tuple[V.ValidationReport, Stats]:
+    def run(self, part: str, cuts, load_report: V.ValidationReport) -> tuple[V.ValidationReport, Stats]:
         from lhotse import CutSet
 
         paths = self.paths(part)
         size = max(1, self.opts.chunk_size)
         n_chunks = math.ceil(len(cuts) / size)
-        self._check_plan(part, paths["chunks"], cuts, size)
+        ids = getattr(cuts, "ids", None) or [c.id for c in cuts]
+        self._check_plan(part, paths["chunks"], ids, size)
         metas: dict[int, dict] = {}
         for i in range(n_chunks):
             meta_path = paths["chunks"] / f"{i:06d}.json"
@@ -374,10 +376,12 @@ class PartTokenizer:
             logger.info("part %s: resuming, %d of %d chunks already done", part, len(metas), n_chunks)
         progress = Progress(len(cuts), f"tokenize {part}", logger, self.opts.log_interval,
                             done=sum(min(size, len(cuts) - i * size) for i in metas))
+        stream = iter(cuts)  # one chunk of cuts in memory at a time
         try:
             for i in range(n_chunks):
+                chunk = list(islice(stream, size))
                 if i not in metas:
-                    metas[i] = self.run_chunk(i, cuts[i * size:(i + 1) * size], paths, progress)
+                    metas[i] = self.run_chunk(i, chunk, paths, progress)
         finally:
             progress.close()
         # Join: the report (manifest problems first), statistics, the cuts file (last: it is
