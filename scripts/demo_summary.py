@@ -88,7 +88,8 @@ def main() -> None:
         print(f"speaker sim:      {fmt(o['similarity'])}   (ceilings: ground truth {fmt(gt.get('similarity'))}, "
               f"resynthesis {fmt(rs.get('similarity'))}; {meta.get('speaker_model')})")
         print(f"duration ratio:   {fmt(o['duration_ratio'])} of the text at the prompt's rate, "
-              f"{fmt(o['duration_ratio_ref'])} of the ground truth; {o['hit_length_cap']:.0%} hit the length cap")
+              f"{fmt(o['duration_ratio_ref'])} of the ground truth; {o['hit_length_cap']:.0%} hit the length cap; "
+              f"{o.get('missing_output', 0)} gave no audio")
         print(f"evaluation:       {eval_path}")
     else:
         print("evaluation:       none (stage 4 did not run)")

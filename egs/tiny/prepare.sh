@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tiny multi-speaker corpus, synthesised locally with eSpeak NG (no network), tokenized.
 #   egs/tiny/prepare.sh [--stage 0] [--stop-stage 3] [--python python] [--data-dir data/tiny]
-#                       [--layout split|heldout] [--codec encodec|mel-rvq|auto] [--judge-epochs 30]
+#                       [--layout split|heldout] [--codec encodec|mel-rvq|auto] [--generated 0]
+#                       [--judge-epochs 30] [--judge-limit N] [--first-codebook-size 1024]
 # --layout split (default): 4 voices, every part split per speaker (the tests' corpus).
 # --layout heldout: dev/test sentences never trained on, and test in 2 voices never trained on
 #   (egs/tiny/local/heldout_corpus.py); stage 3 then trains the phoneme judge (valle/eval/judge.py)
@@ -22,9 +23,12 @@ limit=""
 layout=split
 codec=encodec
 judge_epochs=30
+judge_limit=""
 voices_per_sentence=1
+generated=0
+first_codebook_size=1024
 
-options="stage stop_stage python data_dir num_jobs encodec_checkpoint limit layout codec judge_epochs voices_per_sentence"
+options="stage stop_stage python data_dir num_jobs encodec_checkpoint limit layout codec judge_epochs judge_limit voices_per_sentence generated first_codebook_size"
 . "$(dirname "${BASH_SOURCE[0]}")/../parse_options.sh"
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -42,7 +46,8 @@ if [ "$stage" -le 0 ] && [ "$stop_stage" -ge 0 ]; then
   log 0 "synthesise the corpus with eSpeak NG ($layout layout) -> $data_dir/corpus"
   if [ "$layout" = heldout ]; then
     "$python" "$here/local/heldout_corpus.py" synth --sentences "$here/sentences.txt" \
-      --out-dir "$data_dir/corpus" --voices-per-sentence "$voices_per_sentence" ${limit:+--limit "$limit"}
+      --out-dir "$data_dir/corpus" --voices-per-sentence "$voices_per_sentence" --generated "$generated" \
+      ${limit:+--limit "$limit"}
   else
     "$python" -m valle.data.tiny synth --sentences "$here/sentences.txt" --out-dir "$data_dir/corpus" \
       ${limit:+--limit "$limit"}
@@ -65,7 +70,8 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
       train_part=train; [ "$layout" = heldout ] || train_part=all
       log 2 "fit the offline mel-rvq codec on the $train_part part -> $data_dir/tokenized/mel_rvq.pt"
       "$python" -m valle.codec fit --recordings "$data_dir/manifests/tiny_recordings_$train_part.jsonl.gz" \
-        --output-dir "$data_dir/tokenized"
+        --output-dir "$data_dir/tokenized" --max-frames 30000 --iterations 8 \
+        --first-codebook-size "$first_codebook_size"
     fi
     audio_flags=(--codec mel-rvq)
   elif [ -n "$encodec_checkpoint" ]; then
@@ -84,6 +90,7 @@ if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
     log 3 "train the phoneme judge on the training part's ground truth -> $data_dir/tokenized/judge.pt"
     "$python" -m valle.eval.judge train --cuts "$data_dir/tokenized/tiny_cuts_train.jsonl.gz" \
       --valid-cuts "$data_dir/tokenized/tiny_cuts_test.jsonl.gz" --epochs "$judge_epochs" \
+      ${judge_limit:+--limit "$judge_limit"} \
       --output "$data_dir/tokenized/judge.pt"
   else
     log 3 "split train/dev/test per speaker"

@@ -1,17 +1,28 @@
 #!/usr/bin/env bash
-# The whole pipeline on a locally made corpus, on CPU (what `make demo` runs):
-#   corpus (eSpeak NG) -> tokens -> AR stage -> NAR stage (torchrun, 2 ranks, one injected
-#   OOM recovered) -> bin/infer.py writes a wav -> summary (wav, TensorBoard dir, loss-curve PNG).
-#   egs/tiny/run.sh [--stage 0] [--stop-stage 4] [--nproc 2] [--epochs 12]
+# The whole pipeline on a locally made corpus, on CPU (what `make demo` runs), measured:
+#   0 corpus (eSpeak NG; held-out sentences and held-out voices kept apart) -> codec (EnCodec where
+#     its weights are present, else the offline mel-rvq codec fitted on the training part) ->
+#     tokens -> phoneme judge trained on the training part's ground truth
+#   1 AR stage (torchrun, 2 ranks, one injected OOM recovered)
+#   2 NAR stage, from the AR stage's best-validation checkpoint
+#   3 bin/infer.py: held-out sentences with held-out-voice prompts, from the best-validation checkpoint
+#   4 bin/evaluate.py: PER, speaker similarity, duration, length-cap hits, beside their ceilings
+#   5 summary (wavs, figures, TensorBoard dir, loss-curve PNG)
+#   egs/tiny/run.sh [--stage 0] [--stop-stage 5] [--nproc 2] [--ar-epochs 8] [--nar-epochs 4] [--quick true]
 set -euo pipefail
 
 stage=0
-stop_stage=4
+stop_stage=5
 nproc=2
-epochs=30
+ar_epochs=8
+nar_epochs=4
+generated=1000
+num_items=8
+quick=false
+codec=auto
 python=${PYTHON:-python}
 
-options="stage stop_stage nproc epochs python"
+options="stage stop_stage nproc ar_epochs nar_epochs generated num_items quick codec python"
 . "$(dirname "${BASH_SOURCE[0]}")/../parse_options.sh"
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -20,53 +31,70 @@ cd "$here"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 exp=exp/valle
 data=data/tiny/tokenized
+judge_epochs=30
+judge_limit=400
+valid_interval=40
+if [ "$quick" = true ]; then  # the pipeline in a few minutes (tests): little data, short stages
+  exp=exp/quick data=data/quick/tokenized generated=100 ar_epochs=1 nar_epochs=1 num_items=2
+  judge_epochs=2 judge_limit=40 valid_interval=10
+fi
 log() { echo "$(date '+%F %T') [tiny run stage $1] ${*:2}"; }
 
-# A small model: the point is the pipeline and the resilience, on 2 CPU cores.
+# A small model: on 2 CPU cores it learns to speak eSpeak-like sentences in a few minutes.
 model=(--model-name valle --decoder-dim 128 --nhead 4 --num-decoder-layers 2 --prefix-mode 1
        --dropout 0.0)
 train=(--manifest-dir "$data" --dataset tiny --max-duration 16 --max-text-tokens 400
-       --num-workers 0 --device cpu --dtype float32 --exp-dir "$exp" --num-epochs "$epochs"
-       --base-lr 0.05 --warmup-steps 20 --lr-batches 200 --log-interval 10 --valid-interval 40
+       --num-workers 0 --device cpu --dtype float32
+       --base-lr 0.05 --warmup-steps 20 --lr-batches 200 --log-interval 20 --valid-interval "$valid_interval"
        --save-every-n 40 --average-period 5 --collective-timeout 120 --stall-min-seconds 300)
 torchrun=("$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc")
 
 if [ "$stage" -le 0 ] && [ "$stop_stage" -ge 0 ]; then
-  log 0 "corpus and tokens"
-  PYTHON="$python" bash "$here/prepare.sh"
+  log 0 "corpus (held-out sentences and voices), codec, tokens, phoneme judge"
+  PYTHON="$python" bash "$here/prepare.sh" --data-dir "$(dirname "$data")" --layout heldout \
+    --codec "$codec" --generated "$generated" --judge-epochs "$judge_epochs" --judge-limit "$judge_limit" \
+    --first-codebook-size 128 --num-jobs 0
 fi
 
 if [ "$stage" -le 1 ] && [ "$stop_stage" -ge 1 ]; then
-  log 1 "AR stage on $nproc ranks; an OOM is injected in rank 1's backward at step 7"
+  log 1 "AR stage on $nproc ranks; an OOM is injected in rank $((nproc - 1))'s backward at step 7"
   "${torchrun[@]}" "$root/bin/trainer.py" "${model[@]}" "${train[@]}" --train-stage 1 \
-    --inject-fault backward@7:$((nproc - 1))
+    --exp-dir "$exp/ar" --num-epochs "$ar_epochs" --inject-fault backward@7:$((nproc - 1))
 fi
 
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
-  log 2 "NAR stage on $nproc ranks, starting from the AR weights"
-  "${torchrun[@]}" "$root/bin/trainer.py" "${model[@]}" "${train[@]}" --train-stage 2
+  # The NAR run starts from the AR stage's best-validation weights: a fresh exp dir holding only
+  # that checkpoint, which the trainer resumes in another --train-stage (weights kept, optimizer,
+  # scheduler and counters dropped: docs/training.md).
+  best_ar=$exp/ar/best-valid-loss.pt
+  [ -f "$best_ar" ] || { echo "no $best_ar: did the AR stage validate?" >&2; exit 1; }
+  mkdir -p "$exp/nar"
+  [ -n "$(ls "$exp"/nar/*.pt 2>/dev/null)" ] || cp "$best_ar" "$exp/nar/epoch-0.pt"
+  log 2 "NAR stage on $nproc ranks, from $best_ar"
+  "${torchrun[@]}" "$root/bin/trainer.py" "${model[@]}" "${train[@]}" --train-stage 2 \
+    --exp-dir "$exp/nar" --num-epochs "$nar_epochs"
 fi
 
-prompt_tsv=$exp/infer/prompt.tsv
+checkpoint=$exp/nar/best-valid-loss.pt
+items=$exp/infer/items.tsv
 if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
-  log 3 "synthesise with bin/infer.py (prompt: a held-out utterance)"
+  log 3 "synthesise $num_items held-out sentences with held-out-voice prompts ($checkpoint)"
   mkdir -p "$exp/infer"
-  "$python" - "$data/tiny_cuts_test.jsonl.gz" "$prompt_tsv" <<'PY'
-import sys
-from lhotse import CutSet
-cut = next(iter(CutSet.from_file(sys.argv[1])))
-with open(sys.argv[2], "w") as f:
-    f.write(f"{cut.supervisions[0].text}\t{cut.recording.sources[0].source}\n")
-PY
-  IFS=$'\t' read -r prompt_text prompt_wav < "$prompt_tsv"
-  checkpoint=$(ls -t "$exp"/epoch-*.pt | head -n 1)
-  "$python" "$root/bin/infer.py" --checkpoint "$checkpoint" --device cpu \
-    --text-prompts "$prompt_text" --audio-prompts "$prompt_wav" \
-    --text "A tiny model trained on a tiny corpus says hello." \
-    --output-dir "$exp/infer" --top-k 10 --seed 1 --allow-random-encodec
+  "$python" "$here/local/test_items.py" --cuts "$data/tiny_cuts_test.jsonl.gz" --num-items "$num_items" \
+    --infer-tsv "$exp/infer/infer.tsv" --eval-tsv "$items"
+  "$python" "$root/bin/infer.py" --checkpoint "$checkpoint" --device cpu --tsv "$exp/infer/infer.tsv" \
+    --output-dir "$exp/infer" --top-k 10 --seed 1 --batch-size 4 --allow-random-encodec ||
+    log 3 "some items gave no audio: the evaluation scores them as silence"
 fi
 
 if [ "$stage" -le 4 ] && [ "$stop_stage" -ge 4 ]; then
-  log 4 "summary"
+  log 4 "evaluate: PER (phoneme judge), speaker similarity, duration, beside ground truth and codec resynthesis"
+  "$python" "$root/bin/evaluate.py" --tsv "$items" --output-dir "$exp/infer" --checkpoint "$checkpoint" \
+    --manifest-dir "$data" --output-json "$exp/eval.json" --exp-dir "$exp" --allow-random-encodec \
+    --missing-as-empty
+fi
+
+if [ "$stage" -le 5 ] && [ "$stop_stage" -ge 5 ]; then
+  log 5 "summary"
   "$python" "$root/scripts/demo_summary.py" --exp-dir "$exp"
 fi

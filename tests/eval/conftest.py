@@ -25,7 +25,7 @@ def heldout_data(tmp_path_factory) -> Path:
         ["bash", str(ROOT / "egs/tiny/prepare.sh"), "--python", sys.executable, "--data-dir", str(data_dir),
          "--layout", "heldout", "--codec", "mel-rvq", "--limit", str(TRAIN_SENTENCES),
          "--generated", str(GENERATED), "--judge-epochs", str(JUDGE_EPOCHS),
-         "--judge-limit", str(TRAIN_SENTENCES), "--num-jobs", "0"],
+         "--judge-limit", str(TRAIN_SENTENCES), "--first-codebook-size", "128", "--num-jobs", "0"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -65,6 +65,7 @@ class RowResult:
     duration_ratio: float = math.nan  # output seconds / the text's seconds at the prompt's rate
     duration_ratio_ref: float = math.nan  # output seconds / ground-truth seconds
     hit_length_cap: bool = False
+    missing_output: bool = False  # bin/infer.py wrote nothing (the model stopped at once)
     ground_truth: Scores | None = None
     resynthesis: Scores | None = None
 
@@ -142,6 +143,7 @@ class Tools:
     asr: object | None = None
     codec: object | None = None
     max_len_ratio: float = 16.0
+    missing_as_empty: bool = False
     cache: dict = field(default_factory=dict)
 
 
@@ -169,12 +171,13 @@ def _phonemes(tools: Tools, text: str) -> list[str]:
 
 
 def evaluate_row(tools: Tools, row: Row, references: bool = True) -> RowResult:
-    out = load_wav(row.out_wav, "output wav", row)
+    missing = tools.missing_as_empty and not Path(row.out_wav).exists()
+    out = torch.zeros(0) if missing else load_wav(row.out_wav, "output wav", row)
     prompt = load_wav(row.prompt_wav, "prompt wav", row)
     ref_symbols = _phonemes(tools, row.text)
     if not spoken(ref_symbols):
         raise EvalInputError(f"{row.name}: text {row.text!r} has no phonemes to score")
-    result = RowResult(row, _score(tools, out, ref_symbols, row.text, prompt))
+    result = RowResult(row, _score(tools, out, ref_symbols, row.text, prompt), missing_output=missing)
     # The text's duration at the prompt's speaking rate (phonemes per second of the prompt).
     prompt_phones = len(spoken(_phonemes(tools, row.prompt_text)))
     if prompt_phones:
@@ -218,6 +221,7 @@ def summarize(results: list[RowResult]) -> dict:
     out["output"]["duration_ratio"] = _nanmean(r.duration_ratio for r in results)
     out["output"]["duration_ratio_ref"] = _nanmean(r.duration_ratio_ref for r in results)
     out["output"]["hit_length_cap"] = sum(r.hit_length_cap for r in results) / max(1, len(results))
+    out["output"]["missing_output"] = sum(r.missing_output for r in results)
     gt = [r.ground_truth for r in results if r.ground_truth is not None]
     rs = [r.resynthesis for r in results if r.resynthesis is not None]
     if gt:
@@ -315,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--no-references", action="store_true", help="skip ground-truth and resynthesis figures")
     m.add_argument("--language", default="en-us", help="espeak language of the texts")
     m.add_argument("--max-len-ratio", type=float, default=16.0, help="the --max-len-ratio bin/infer.py used")
+    m.add_argument("--missing-as-empty", action="store_true",
+                   help="score a missing output wav as silence (bin/infer.py writes none when the model "
+                        "stops at once) instead of failing")
     m.add_argument("--allow-random-encodec", action="store_true",
                    help="EnCodec resynthesis with random weights (tests only)")
     o = p.add_argument_group("outputs")
@@ -351,7 +358,8 @@ def build_tools(args: argparse.Namespace, config: dict) -> tuple[Tools, list[str
                              f"(looked in {', '.join(map(str, dirs)) or 'nothing: no --manifest-dir/--checkpoint'})")
     judge = Judge.load(judge_path)
     tt = TextTokenizer(language=args.language)
-    tools = Tools(judge=judge, phonemize=lambda text: tt([text])[0], max_len_ratio=args.max_len_ratio)
+    tools = Tools(judge=judge, phonemize=lambda text: tt([text])[0], max_len_ratio=args.max_len_ratio,
+                  missing_as_empty=args.missing_as_empty)
     if args.speaker_model != "none":
         from valle.eval.similarity import SpeakerEmbedder, SpeakerModelUnavailable
 

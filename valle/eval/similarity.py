@@ -90,9 +90,9 @@ class SpeakerEmbedder:
     # ---- embedding
     @torch.inference_mode()
     def embed(self, wav: torch.Tensor, sr: int) -> np.ndarray | None:
-        x = _resample(wav, sr, self.sample_rate)
-        if x.numel() < self.sample_rate // 4:  # under 0.25 s: no voice to compare
+        if wav.numel() < sr // 4:  # under 0.25 s: no voice to compare
             return None
+        x = _resample(wav, sr, self.sample_rate)
         if self.name == "resemblyzer":
             y = self._preprocess(x.numpy(), source_sr=self.sample_rate)  # volume norm, silence trim
             if len(y) < self.sample_rate // 4:
