@@ -32,7 +32,7 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
 exp=exp/valle
 data=data/tiny/tokenized
 judge_epochs=30
-judge_limit=400
+judge_limit=224  # the natural training sentences (listed first): about 850 CTC steps
 valid_interval=40
 if [ "$quick" = true ]; then  # the pipeline in a few minutes (tests): little data, short stages
   exp=exp/quick data=data/quick/tokenized generated=100 ar_epochs=1 nar_epochs=1 num_items=2
