@@ -43,7 +43,7 @@ def configurations(worlds: list[int], scalers: list[bool], steps: list[int],
             if w == 2 and scenario != "repair":
                 failing = ["one", "all"]  # "some" is "one" at two ranks
             for scaler in scalers:
-                for step in steps if scenario == "plain" else [steps[0]]:
+                for step in steps if scenario == "plain" else [max(steps[0], 1)]:
                     for f in failing:
                         if f in failing_sets:
                             out.append(SweepConfig(w, scaler, f, step, scenario))
@@ -54,8 +54,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="1,2,3")
     p.add_argument("--scaler", default="off,on", help="off, on or both (fp16 autocast + GradScaler on CPU)")
-    p.add_argument("--steps", default="1,3", help="steps whose allocations are failed (1: mid step with "
-                   "validation, consistency check, checkpoint; 3: the epoch end)")
+    p.add_argument("--steps", default="startup,1,3",
+                   help="steps whose allocations are failed (startup: the set-up; 1: a mid step with "
+                        "validation, consistency check, checkpoint, then the run's end; 3: the epoch end)")
     p.add_argument("--scenarios", default="plain,retry,repair")
     p.add_argument("--failing", default="one,some,all", help="which failing-rank sets")
     p.add_argument("--select", default="kinds", choices=("kinds", "ends", "phases", "all"),
@@ -66,7 +67,8 @@ def main() -> int:
     args = p.parse_args()
     configs = configurations([int(w) for w in args.worlds.split(",")],
                              [s == "on" for s in args.scaler.split(",")],
-                             [int(s) for s in args.steps.split(",")], args.scenarios.split(","),
+                             [-1 if s == "startup" else int(s) for s in args.steps.split(",")],
+                             args.scenarios.split(","),
                              args.failing.split(","))
     start = time.monotonic()
     results = []

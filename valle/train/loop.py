@@ -128,7 +128,8 @@ def train(cfg: TrainConfig) -> TrainSummary:
         faults.count_allocations()
     faults.start()
     try:
-        run = build_run(cfg, ctx, faults)
+        with faults.phase_scope("startup"):
+            run = build_run_agreed(cfg, ctx, faults)
         try:
             return train_epochs(run)
         finally:
@@ -139,6 +140,39 @@ def train(cfg: TrainConfig) -> TrainSummary:
         faults.stop()
         if cfg.count_allocations:
             write_census(Path(cfg.count_allocations), faults, ctx.rank)
+
+
+class StartupError(RuntimeError):
+    """Set-up failed on some rank; every rank stops together instead of waiting."""
+
+
+def build_run_agreed(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector) -> Run:
+    """build_run, then one vote: if set-up failed on any rank (out of memory building the
+    model or its state, a missing file, ...), every rank stops at once with the reason,
+    rather than the healthy ones waiting for a peer until the collective timeout."""
+    from valle.train.resilience.memory import is_oom_error
+
+    run, error = None, None
+    try:
+        run = build_run(cfg, ctx, faults)
+    except Exception as exc:  # noqa: BLE001 - voted, then re-raised on this rank
+        error = exc
+    code = 0.0 if error is None else (2.0 if is_oom_error(error) else 1.0)
+    host = [0.0] * ctx.world_size
+    host[ctx.rank] = code
+    votes = ctx.channel.reduce(host)
+    if error is not None:
+        if is_oom_error(error):
+            raise StartupError(f"rank {ctx.rank}: out of memory while setting up (model, "
+                               f"optimizer state, data): {str(error).splitlines()[0]}. Lower "
+                               "the model size or free the device.") from error
+        raise error
+    failed = [r for r, v in enumerate(votes) if v > 0]
+    if failed:
+        what = "out of memory" if any(votes[r] == 2.0 for r in failed) else "an error"
+        raise StartupError(f"set-up failed on rank(s) {failed} ({what}; see their log): "
+                           "every rank stops")
+    return run
 
 
 def train_epochs(run: Run) -> TrainSummary:
@@ -503,6 +537,7 @@ EXIT_CODES = {
     "BatchTooLargeError": 13,
     "PeerFailure": 14,
     "OomNotDataError": 15,
+    "StartupError": 16,
 }
 _PEER_FAILURE_MARKERS = ("Timed out", "timed out", "Connection reset", "Connection closed",
                          "pair closure", "NCCL communicator was aborted")
@@ -520,7 +555,7 @@ def main_from_config(cfg: TrainConfig) -> int:
     try:
         train(cfg)
     except (NoHealthyRankError, DdpBackwardOomError, ConsistencyError, BatchTooLargeError,
-            OomNotDataError) as e:
+            OomNotDataError, StartupError) as e:
         logger.error("%s", e)
         return EXIT_CODES[type(e).__name__]
     except (FileNotFoundError, CorruptCheckpointError, CheckpointError) as e:

@@ -16,7 +16,8 @@ TINY_MODEL = ["--decoder-dim", "32", "--nhead", "2", "--num-decoder-layers", "1"
 def train_worker(rank: int, world_size: int, argv: list[str]) -> dict[str, Any]:
     """Run the trainer in this rank; report its summary, final parameters, or its clean failure."""
     from valle.train.cli import parse_config
-    from valle.train.loop import train
+    from valle.train.loop import StartupError, train
+    from valle.train.resilience.quarantine import OomNotDataError
     from valle.train.resilience.step import (
         ConsistencyError,
         DdpBackwardOomError,
@@ -26,7 +27,8 @@ def train_worker(rank: int, world_size: int, argv: list[str]) -> dict[str, Any]:
     cfg = parse_config(argv)
     try:
         summary = train(cfg)
-    except (NoHealthyRankError, DdpBackwardOomError, ConsistencyError) as exc:
+    except (NoHealthyRankError, DdpBackwardOomError, ConsistencyError, OomNotDataError,
+            StartupError) as exc:
         return {"ok": False, "error": type(exc).__name__, "message": str(exc)}
     params = {k: v.detach().cpu().clone() for k, v in (summary.model_state or {}).items()}
     return {"ok": True, "summary": summary.to_json(), "params": params}

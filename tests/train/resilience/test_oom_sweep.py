@@ -34,6 +34,14 @@ def test_every_phase_survives_an_oom_at_its_first_allocation(cfg):
     assert not bad, bad
 
 
+def test_an_oom_at_set_up_stops_every_rank_promptly_with_a_named_error():
+    cfg = SweepConfig(world_size=2, failing="one", fault_step=-1)  # rank 1, building the run
+    result = run_sweep(cfg, mode="phases", per_point_s=60)
+    assert result.points and {p.phase for p in result.points} == {"startup"}
+    assert all(p.outcome == "clean exit" and "StartupError" in p.detail for p in result.points), \
+        result.points
+
+
 def test_choose_points_hits_every_phase_and_op_kind():
     census = {0: [["forward", "mm"], ["forward", "add"], ["backward", "mm"], ["forward", "mm"]],
               1: [["forward", "mm"], ["vote", "x"]]}

@@ -8,7 +8,7 @@ alone and ends in quarantine. `stall@STEP[:RANKS]` sleeps inside the step so the
 watchdog can be tested. With `--inject-fault-real` on CUDA, memory is really
 exhausted instead of raising, so the allocator fails by itself.
 
-`alloc@STEP:N[:RANKS]` fails the Nth tensor-allocating aten op of step STEP on
+`alloc@STEP:N[:RANKS]` (STEP may be `startup`: the set-up) fails the Nth tensor-allocating aten op of step STEP on
 RANKS, wherever it is: forward, backward, a bucket launch, the scaler, the
 middle of the optimizer step, validation, a consistency check, a checkpoint
 save (a `TorchDispatchMode` sees them all). "Step S" is everything the loop
@@ -91,13 +91,15 @@ def parse_fault(text: str) -> FaultSpec:
     else:
         step_text, _, ranks_text = where.partition(":")
         nth_text = "0"
+    if phase == "alloc" and step_text == "startup":
+        step_text = "-1"  # set-up, before the first step: model, optimizer state, data
     try:
         step, nth = int(step_text), int(nth_text)
         if ranks_text:
             ranks = frozenset(int(r) for r in ranks_text.split(","))
     except ValueError:
         raise fail("STEP, N and RANKS must be integers") from None
-    if step < 0:
+    if step < 0 and not (phase == "alloc" and step == -1 and where.startswith("startup")):
         raise fail("STEP must be >= 0")
     if phase == "alloc" and nth < 1:
         raise fail("N must be >= 1")

@@ -10,7 +10,8 @@ training run fails the Nth allocation of the target step on the failing ranks
   own `--check-consistency-every 1`); cuts trained + quarantined + skipped =
   drawn with nothing quarantined; final parameters equal to the fault-free
   run's (dropout 0, float tolerance);
-* clean exit - every rank stopped with one of the trainer's named errors;
+* clean exit - every rank stopped with one of the trainer's named errors (what a
+  failure at set-up, before any step, must give: `StartupError` on every rank);
 * crash     - some rank raised anything else (a collective mismatch, ...);
 * hang      - the world did not finish within its deadline;
 * lost      - finished, but a cut was lost or quarantined, or the parameters differ;
@@ -34,7 +35,7 @@ from typing import Any
 from valle.train.harness import WorldTimeout, run_world
 
 OUTCOMES = ("survived", "clean exit", "crash", "hang", "lost", "not hit")
-NAMED_ERRORS = ("NoHealthyRankError", "OomNotDataError", "BatchTooLargeError")
+NAMED_ERRORS = ("NoHealthyRankError", "OomNotDataError", "BatchTooLargeError", "StartupError")
 STEPS_PER_EPOCH = 3
 
 
@@ -50,13 +51,16 @@ class SweepConfig:
 
     @property
     def name(self) -> str:
+        where = "startup" if self.fault_step < 0 else f"step{self.fault_step}"
         return (f"ws{self.world_size} {'fp16+scaler' if self.scaler else 'fp32'} "
-                f"{self.failing} step{self.fault_step} {self.scenario}")
+                f"{self.failing} {where} {self.scenario}")
 
     @property
     def expected_steps(self) -> int:
         # The run stops right after the swept step's window (which then also holds the
         # epoch's end), unless that step is the epoch's last anyway.
+        if self.fault_step < 0:
+            return 1  # set-up: every rank should stop (StartupError) before any step
         return min(self.fault_step + 1, STEPS_PER_EPOCH)
 
     def failing_ranks(self) -> list[int]:
@@ -132,7 +136,8 @@ def sweep_worker(rank: int, world_size: int, cfg: SweepConfig, points: list[int]
     out = Path(root) / f"progress-rank{rank}.jsonl"
     for n in points:
         exp = Path(root) / f"point-{n}"
-        argv = trainer_argv(exp, cfg, ["--inject-fault", f"alloc@{cfg.fault_step}:{n}:{ranks}"])
+        step = "startup" if cfg.fault_step < 0 else cfg.fault_step
+        argv = trainer_argv(exp, cfg, ["--inject-fault", f"alloc@{step}:{n}:{ranks}"])
         record: dict[str, Any] = {"n": n}
         try:
             r = train_worker(rank, world_size, argv)
@@ -281,7 +286,7 @@ def classify(records: list[dict], cfg: SweepConfig) -> tuple[str, str]:
     if statuses == {"named"}:
         details = {r["detail"].split(":")[0] for r in records}
         if details <= set(NAMED_ERRORS) and len(details) == 1:
-            return "clean exit", records[0]["detail"]
+            return "clean exit", records[0]["detail"][:160]
         return "crash", "; ".join(r["detail"] for r in records)
     if statuses != {"ok"}:
         return "crash", "some ranks stopped, others finished: " + "; ".join(
