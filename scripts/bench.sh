@@ -27,6 +27,14 @@ tmp=$(mktemp)
   echo '```'
   echo
   python scripts/bench_models.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to'
+  echo
+  echo "## Tokenization throughput"
+  echo
+  echo '```'
+  echo "python scripts/bench_tokenizer.py"
+  echo '```'
+  echo
+  python scripts/bench_tokenizer.py 2>/dev/null
 } > "$tmp"
 # Keep notes written by hand below the generated part.
 if [ -f "$out" ] && grep -q '^<!-- notes -->' "$out"; then
