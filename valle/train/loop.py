@@ -247,8 +247,14 @@ def draw(batches: Iterator[Batch], accumulate: int) -> Batch | None:
 # -- construction -------------------------------------------------------------
 
 
-def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector) -> Run:
+def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None = None) -> Run:
     from valle.models import get_model
+
+    if ctx.channel is None:  # callers other than train() (GPU checks, benchmarks)
+        ctx.channel = ControlChannel(ctx, vote_slots=VOTE_SLOTS + ctx.world_size)
+    if faults is None:
+        faults = FaultInjector(cfg.inject_fault, ctx.rank, real=cfg.inject_fault_real,
+                               stall_seconds=cfg.stall_seconds)
 
     torch.manual_seed(cfg.seed)
     payload = find_resume_payload(cfg)

@@ -139,6 +139,7 @@ class FaultInjector:
         if step != self.step:
             self.allocations = 0  # a new step window
         self.step, self.attempt = step, attempt
+        self._error_phase = None  # an error handled elsewhere must not name a later one
 
     # -- phases and the allocation-level injector --------------------------------
 
