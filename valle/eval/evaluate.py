@@ -121,7 +121,8 @@ def rows_from_infer_flags(args: argparse.Namespace) -> list[Row]:
     refs = [r.strip() for r in args.ref_wavs.split("|")] if args.ref_wavs else []
     if refs and len(refs) != len(items):
         raise EvalInputError(f"--ref-wavs has {len(refs)} entries for {len(items)} rows")
-    return [Row(it.name, it.text, it.prompt_wav, str(it.out_wav), it.prompt_text,
+    # several prompt wavs of one item are joined in time (as bin/infer.py does): kept '|'-joined
+    return [Row(it.name, it.text, "|".join(it.prompt_wavs), str(it.out_wav), it.prompt_text,
                 refs[i] if refs else None) for i, it in enumerate(items)]
 
 
@@ -173,7 +174,7 @@ def _phonemes(tools: Tools, text: str) -> list[str]:
 def evaluate_row(tools: Tools, row: Row, references: bool = True) -> RowResult:
     missing = tools.missing_as_empty and not Path(row.out_wav).exists()
     out = torch.zeros(0) if missing else load_wav(row.out_wav, "output wav", row)
-    prompt = load_wav(row.prompt_wav, "prompt wav", row)
+    prompt = torch.cat([load_wav(p.strip(), "prompt wav", row) for p in row.prompt_wav.split("|")])
     ref_symbols = _phonemes(tools, row.text)
     if not spoken(ref_symbols):
         raise EvalInputError(f"{row.name}: text {row.text!r} has no phonemes to score")
