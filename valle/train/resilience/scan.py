@@ -98,9 +98,16 @@ def _fits(stepper, batch: Batch) -> bool:
 
 def _advice(row: ScanRow, cfg: TrainConfig) -> str:
     flag = "--max-text-tokens" if "text" in row.criterion else "--max-duration"
-    current = cfg.args.get(flag[2:].replace("-", "_"))
+    given = cfg.args.get(flag[2:].replace("-", "_"))
+    try:
+        current = float(given)
+    except (TypeError, ValueError):  # "auto": the budget the data module derived
+        current = None
     if row.fitting_fraction > 0 and current:
         # 10% margin: peak memory grows slightly faster than linearly with batch size.
-        return (f"'{row.criterion}' ({row.cuts} cuts): lower {flag} from {current} to about "
+        return (f"'{row.criterion}' ({row.cuts} cuts): lower {flag} from {current:g} to about "
                 f"{current * row.fitting_fraction * 0.9:.0f}")
+    if row.fitting_fraction > 0:
+        return (f"'{row.criterion}' ({row.cuts} cuts): set {flag} to about "
+                f"{row.fitting_fraction * 0.9:.0%} of the value it has now ({given}, printed at start)")
     return f"'{row.criterion}' ({row.cuts} cuts): even one cut does not fit; lower {flag} or the model size"
