@@ -162,3 +162,22 @@ def test_a_gpu_that_fails_every_cut_stops_with_exit_15_and_says_why(tmp_path, ca
     assert "The GPU, not the data, is the problem" in text
     quarantined = [json.loads(x) for x in (tmp_path / "quarantine.jsonl").read_text().splitlines()]
     assert len(quarantined) == 3 and all(q["fitted_before"] for q in quarantined)
+
+
+def test_a_half_done_scaler_step_is_forgotten_after_a_reset():
+    from valle.train.resilience.step import reset_scaler_stage
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale((p * 2).sum()).backward()
+    scaler.unscale_(opt)  # ... and then an OOM before step()/update()
+    with pytest.raises(RuntimeError, match="unscale_"):
+        scaler.unscale_(opt)
+    reset_scaler_stage(scaler)
+    opt.zero_grad()  # the repaired rank's next attempt computes its gradient afresh
+    scaler.scale((p * 2).sum()).backward()
+    scaler.unscale_(opt)  # ... and its update starts clean
+    scaler.step(opt)
+    scaler.update()
+    assert torch.allclose(p.detach(), torch.full((3,), 1 - 0.1 * 2))

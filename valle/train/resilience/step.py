@@ -175,10 +175,13 @@ def reset_scaler_stage(scaler: torch.amp.GradScaler | None) -> None:
     """Forget a half-done unscale/step: the scaler's per-optimizer stage would otherwise
     stay "unscaled" and the next step raise "unscale_() has already been called"."""
     if scaler is not None:
-        from torch.amp.grad_scaler import _refresh_per_optimizer_state
+        # Private in torch (2.9 to 2.11 at least): the per-optimizer stage table, which
+        # update() itself resets the same way after a complete step.
+        from torch.amp.grad_scaler import OptState
 
         scaler._per_optimizer_states.clear()
-        scaler._per_optimizer_states.default_factory = _refresh_per_optimizer_state
+        scaler._per_optimizer_states.default_factory = lambda: {
+            "stage": OptState.READY, "found_inf_per_device": {}}
 
 
 class ResilientStep:
@@ -238,7 +241,7 @@ class ResilientStep:
         if materialize is not None:
             materialize()
         if self.scaler is not None and self.scaler._scale is None:
-            self.scaler._lazy_init_scale_growth_tracker(self.device)
+            self.scaler.scale(torch.zeros((), device=self.device))  # creates scale + tracker
         self._materialized = True
 
     # -- public -----------------------------------------------------------
