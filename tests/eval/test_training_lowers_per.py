@@ -52,7 +52,7 @@ def _synthesise_and_score(checkpoint: Path, items: Path, evaluated: Path, out_di
     infer(["--checkpoint", str(checkpoint), "--device", "cpu", "--tsv", str(items), "--output-dir",
            str(out_dir), "--top-k", "10", "--seed", "1", "--batch-size", "8", "--max-len-ratio", "6"])
     assert evaluate(["--tsv", str(evaluated), "--output-dir", str(out_dir), "--checkpoint", str(checkpoint),
-                     "--no-references", "--speaker-model", "none", "--max-len-ratio", "6",
+                     "--no-references", "--speaker-model", "none", "--max-len-ratio", "6", "--missing-as-empty",
                      "--output-json", str(out_dir / "eval.json")]) == 0
     report = json.loads((out_dir / "eval.json").read_text())
     return report["summary"]["output"]["per"]
