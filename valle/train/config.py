@@ -43,6 +43,7 @@ class TrainConfig:
     lr_epochs: float = 4.0
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    grad_scale_init: float = 1.0
     accumulate_grad_steps: int = 1
     average_period: int = 0
     # bookkeeping
@@ -107,6 +108,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--grad-clip", type=float, default=1.0,
                    help="max gradient norm for the Adam family (ScaledAdam clips itself)")
+    g.add_argument("--grad-scale-init", type=float, default=1.0,
+                   help="--dtype float16: the GradScaler's initial scale. 1.0 as in the icefall/"
+                        "VALL-E recipes: the loss is a sum over frames, already large (torch's "
+                        "default 65536 overflows the first steps and skips them)")
     g.add_argument("--accumulate-grad-steps", type=int, default=1)
     g.add_argument("--average-period", type=int, default=0,
                    help="update the averaged model every N steps (0: no averaged model)")

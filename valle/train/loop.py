@@ -272,7 +272,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
                                 total_steps=cfg.max_steps or None, lr_batches=cfg.lr_batches,
                                 lr_epochs=cfg.lr_epochs,
                                 model_dim=getattr(model, "hparams", {}).get("decoder_dim"))
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.dtype == "float16")
+    scaler = torch.amp.GradScaler(ctx.device.type, init_scale=cfg.grad_scale_init,
+                                  enabled=cfg.dtype == "float16")
     averager = None
     if cfg.average_period > 0:
         from valle.train.averaging import ModelAverager
