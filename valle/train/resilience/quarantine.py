@@ -77,6 +77,9 @@ class OomNotDataError(RuntimeError):
 class OomPolicy:
     """When a lone cut's OOM means the cut, and when OOMs mean the GPU.
 
+    * A batch that fails is retried once as it is (memory was freed in between)
+      before it is split finer: most OOMs are transient, and the same micro-batches
+      give the same gradient bit for bit, in fp16 too.
     * A cut that fails alone is retried once (memory was freed in between): a
       transient failure (fragmentation, a spike) must not ban a healthy cut for
       good. Only its second failure in the same step quarantines it.
@@ -96,10 +99,20 @@ class OomPolicy:
     max_non_data_failures: int = 3
     non_data_failures: int = 0  # in this step, with no batch in flight
     _lone: set[str] = field(default_factory=set)
+    _splits_failed: set[int] = field(default_factory=set)
 
     def begin_step(self) -> None:
         self._lone.clear()
+        self._splits_failed.clear()
         self.non_data_failures = 0
+
+    def retry_as_is(self, split: int) -> bool:
+        """A batch failed at `split` micro-batches: True the first time in this step
+        (retry unchanged after freeing memory), False after that (split finer)."""
+        if split in self._splits_failed:
+            return False
+        self._splits_failed.add(split)
+        return True
 
     def non_data_failure(self) -> bool:
         """Count a failure outside any batch's work; True once past the limit."""

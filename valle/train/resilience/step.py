@@ -31,7 +31,8 @@ Per attempt, on every rank:
    step's only host sync; a non-finite loss or gradient anywhere makes the
    summed loss or norm non-finite, so it costs no extra slot or kernel;
 4. wait for the buckets; if any rank failed, all retry the same batches, the
-   failed rank with a finer split; a cut that fails alone twice is quarantined;
+   failed rank as it was once, then with finer splits; a cut that fails alone
+   twice is quarantined;
 5. otherwise: gradient / global frames, then the transactional update.
 
 `--grad-sync ddp` uses torch DDP instead: the vote runs before the synced
@@ -635,6 +636,10 @@ class ResilientStep:
                                  "outside any batch's forward/backward")
             return batch, split, []
         if len(failure.cut_ids) > 1:
+            if self.policy.retry_as_is(split):
+                # Memory was freed: a transient failure passes as it is, and the same
+                # micro-batches give bit for bit the same gradient (in fp16 too).
+                return batch, split, []
             return batch, min(split * 2, batch_size(batch)), []
         cut_id = failure.cut_ids[0]
         if not self.policy.quarantine_now(cut_id):
