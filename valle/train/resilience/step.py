@@ -478,7 +478,8 @@ class ResilientStep:
         failure = None if self.state_damaged else self._guarded(step, forward_all)
         frames = cuts = 0
         if failure is None and batch is not None and not self.state_damaged:
-            frames, cuts = frame_count(batch), batch_size(batch)
+            with self.faults.host_work():
+                frames, cuts = frame_count(batch), batch_size(batch)
         if failure is not None:
             pending.clear()
         vote = self._vote(failure is not None, frames, cuts)
