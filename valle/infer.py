@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encodec-checkpoint", default=None, help="EnCodec 24 kHz state dict")
     p.add_argument("--allow-random-encodec", action="store_true",
                    help="random EnCodec weights when none are found (tests only: the audio is noise)")  # fmt: skip
+    p.add_argument("--decoder", default="encodec", choices=["encodec", "vocos"],
+                   help="codes -> audio: EnCodec's decoder, or Vocos (EnCodec-coded corpora only)")  # fmt: skip
+    p.add_argument("--vocos-checkpoint", default=None,
+                   help="Vocos pytorch_model.bin (charactr/vocos-encodec-24khz); default: hub cache")  # fmt: skip
+    p.add_argument("--allow-random-vocos", action="store_true",
+                   help="random Vocos weights when none are found (tests only: the audio is noise)")  # fmt: skip
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     return p
 
@@ -288,7 +294,7 @@ def load_model(
 
 
 def decode_codes(
-    codes: torch.Tensor, checkpoint_config: dict[str, Any], audio_tokenizer
+    codes: torch.Tensor, checkpoint_config: dict[str, Any], audio_tokenizer, decoder=None
 ) -> torch.Tensor:
     """Codes (T, Q) -> (N,) float waveform at 24 kHz: the one place codes become audio.
 
@@ -296,6 +302,8 @@ def decode_codes(
     can be decoded with that codec.
     """
     del checkpoint_config  # EnCodec 24 kHz for now
+    if decoder is not None:  # --decoder vocos (valle/vocos_decoder.py)
+        return decoder.decode(codes)
     return audio_tokenizer.decode(codes.T.unsqueeze(0)).reshape(-1).float().cpu()
 
 
@@ -470,7 +478,8 @@ class Synthesizer:
                 out.append(Failure(item.name, "the AR model emitted EOS as its first token: no "
                                    "audio (untrained checkpoint, or text/prompt mismatch)"))  # fmt: skip
                 continue
-            out.append(decode_codes(codes[b, :n], self.config, self.audio_tokenizer))
+            out.append(decode_codes(codes[b, :n], self.config, self.audio_tokenizer,
+                                    getattr(self, "decoder", None)))
         return out
 
 
@@ -542,6 +551,7 @@ def run(args: argparse.Namespace) -> RunResult:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     items = read_items(args)
     decode_options(args)  # validate before loading anything
+    vocos_weights = resolve_vocos(args)
     torch.manual_seed(args.seed)
     model, config = load_model(args.checkpoint, device, args.use_averaged_model, DTYPES[args.dtype])
     table = args.text_tokens or config.get("text_tokens")
@@ -562,7 +572,34 @@ def run(args: argparse.Namespace) -> RunResult:
     synth = Synthesizer(model, table, audio_tokenizer, device, language=args.language,
                         prompt_language=args.prompt_language, checkpoint_config=config,
                         languages=args.languages)  # fmt: skip
+    if args.decoder == "vocos":
+        synth.decoder = build_vocos(config, device, vocos_weights, args)
     return synthesize_items(synth, items, args)
+
+
+def resolve_vocos(args: argparse.Namespace):
+    """--decoder vocos: find the weights before any synthesis work (offline: a one-line error)."""
+    if getattr(args, "decoder", "encodec") != "vocos":
+        return None
+    from valle.vocos_decoder import VocosWeightsError, resolve_vocos_weights
+
+    try:
+        return resolve_vocos_weights(args.vocos_checkpoint, args.allow_random_vocos)
+    except VocosWeightsError as e:
+        raise InputError(str(e)) from e
+
+
+def build_vocos(config: dict[str, Any], device, weights, args: argparse.Namespace):
+    """Vocos only for EnCodec-coded corpora (refused for mel-rvq)."""
+    from valle.codec import find_codec_record
+    from valle.vocos_decoder import VocosCodecError, VocosDecoder, check_codec_for_vocos
+
+    found = find_codec_record(config)
+    try:
+        check_codec_for_vocos(found[0].get("codec", "encodec") if found else "encodec")
+    except VocosCodecError as e:
+        raise InputError(str(e)) from e
+    return VocosDecoder(device, weights, allow_random_weights=weights is None, download=False)
 
 
 def main(argv: list[str] | None = None) -> int:
