@@ -49,7 +49,8 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="libritts")
     p.add_argument("--dataset-parts", default="dev-clean test-clean", help="space-separated parts")
     p.add_argument("--suffix", default="jsonl.gz")
-    p.add_argument("--text-extractor", default="espeak", choices=["espeak"])
+    p.add_argument("--text-extractor", default="espeak", choices=["espeak", "pypinyin"],
+                   help="pypinyin: Mandarin characters -> pinyin initials/finals with tones")
     p.add_argument("--language", default="en-us",
                    help="espeak voice for supervisions without a language (names, ISO 639-1/3 work too)")
     p.add_argument("--audio-extractor", default="Encodec", choices=["Encodec"])
@@ -152,7 +153,8 @@ def run(args) -> int:
         from valle.codec import make_audio_tokenizer
 
         codec = make_audio_tokenizer("mel-rvq", args.output_dir, device="cpu")
-        runner = PartTokenizer(opts, codec, TextTokenizer(language=default_voice), fixed_table)
+        runner = PartTokenizer(opts, codec, TextTokenizer(default_voice, backend=args.text_extractor),
+                               fixed_table)
     elif todo:
         weights = resolve_encodec_weights(args.encodec_checkpoint, args.allow_random_encodec,
                                           args.download_encodec)
@@ -165,7 +167,8 @@ def run(args) -> int:
                     opts.num_workers)
         codec = AudioTokenizer(device, weights, allow_random_weights=weights is None, seed=args.seed,
                                download=False)
-        runner = PartTokenizer(opts, codec, TextTokenizer(language=default_voice), fixed_table)
+        runner = PartTokenizer(opts, codec, TextTokenizer(default_voice, backend=args.text_extractor),
+                               fixed_table)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     if todo:  # which codec made the codes: inference finds it through the checkpoint's manifest dir
         from valle.codec import write_codec_record

@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encodec-checkpoint", default=None, help="EnCodec 24 kHz state dict")
     p.add_argument("--allow-random-encodec", action="store_true",
                    help="random EnCodec weights when none are found (tests only: the audio is noise)")  # fmt: skip
+    p.add_argument("--text-extractor", default="espeak", choices=["espeak", "pypinyin"],
+                   help="text front-end; pypinyin: Mandarin characters -> pinyin with tones")  # fmt: skip
     p.add_argument("--decoder", default="encodec", choices=["encodec", "vocos"],
                    help="codes -> audio: EnCodec's decoder, or Vocos (EnCodec-coded corpora only)")  # fmt: skip
     p.add_argument("--vocos-checkpoint", default=None,
@@ -321,6 +323,7 @@ class Synthesizer:
         prompt_language: str | None = None,
         checkpoint_config: dict[str, Any] | None = None,
         languages: list[str] | str | None = None,
+        text_extractor: str = "espeak",
     ):
         from valle.data.symbols import SymbolTable
         from valle.data.text import TextTokenCollater, TextTokenizer
@@ -337,7 +340,7 @@ class Synthesizer:
             )
         self.model, self.device = model, torch.device(device)
         self.language, self.prompt_language = language, prompt_language or language
-        self.text_tokenizer = TextTokenizer(language=language)
+        self.text_tokenizer = TextTokenizer(language=language, backend=text_extractor)
         self.collater = TextTokenCollater(table, add_bos=True, add_eos=True)
         self.audio_tokenizer = audio_tokenizer
         self.config = dict(checkpoint_config or {})
@@ -571,7 +574,7 @@ def run(args: argparse.Namespace) -> RunResult:
         raise InputError(str(e)) from e
     synth = Synthesizer(model, table, audio_tokenizer, device, language=args.language,
                         prompt_language=args.prompt_language, checkpoint_config=config,
-                        languages=args.languages)  # fmt: skip
+                        languages=args.languages, text_extractor=args.text_extractor)  # fmt: skip
     if args.decoder == "vocos":
         synth.decoder = build_vocos(config, device, vocos_weights, args)
     return synthesize_items(synth, items, args)

@@ -100,12 +100,45 @@ def normalize_text(text: str) -> str:
     return _SPACE_RE.sub(" ", text).strip()
 
 
+TEXT_EXTRACTORS = ("espeak", "pypinyin")
+
+
+def _is_hanzi(ch: str) -> bool:
+    return "\u4e00" <= ch <= "\u9fff" or "\u3400" <= ch <= "\u4dbf"
+
+
+def pinyin_symbols(text: str) -> Phonemized:
+    """Mandarin through pypinyin (``--text-extractor pypinyin``): each character becomes its
+    initial (omitted when it has none, e.g. 爱 -> "ai4") and its final with the tone number
+    (5 = neutral), e.g. 中 -> "zh", "ong1". Punctuation is kept as a symbol; any other
+    character (Latin, digits) is an error, so the caller reports the item instead of
+    silently dropping what would not be spoken."""
+    from pypinyin import Style, lazy_pinyin
+
+    symbols: list[str] = []
+    for kind, piece in segment_text(normalize_text(text)):
+        if kind == "punct":
+            symbols += [ch for ch in piece if not ch.isspace()]
+            continue
+        bad = sorted({ch for ch in piece if not ch.isspace() and not _is_hanzi(ch)})
+        if bad:
+            raise TextTokenizationError(
+                f"pypinyin reads Chinese characters only; {text!r} has {''.join(bad)!r} "
+                "(write numbers and Latin words out in characters, or use --text-extractor espeak)")
+        hanzi = "".join(piece.split())  # whole runs: pypinyin picks polyphone readings in context
+        initials = lazy_pinyin(hanzi, style=Style.INITIALS, strict=True)
+        finals = lazy_pinyin(hanzi, style=Style.FINALS_TONE3, strict=True, neutral_tone_with_five=True)
+        for ini, fin in zip(initials, finals):
+            symbols += [s for s in (ini, fin) if s]
+    return Phonemized(symbols)
+
+
 class TextTokenizer:
     """Phonemize texts with espeak; one cached backend per language."""
 
     def __init__(self, language: str = "en-us", backend: str = "espeak", with_stress: bool = False):
-        if backend != "espeak":
-            raise ValueError(f"--text-extractor {backend!r} is not supported (only 'espeak')")
+        if backend not in TEXT_EXTRACTORS:
+            raise ValueError(f"--text-extractor {backend!r} is not supported ({', '.join(TEXT_EXTRACTORS)})")
         self.language = language
         self.backend_name = backend
         self.with_stress = with_stress
@@ -130,6 +163,8 @@ class TextTokenizer:
         return self._backends[language]
 
     def phonemize_one(self, text: str, language: str | None = None) -> Phonemized:
+        if self.backend_name == "pypinyin":
+            return pinyin_symbols(text)
         from phonemizer.separator import Separator
 
         language = language or self.language
