@@ -29,3 +29,20 @@ def test_non_chinese_characters_are_an_error_not_dropped(tok):
 def test_unknown_extractor_is_refused():
     with pytest.raises(ValueError, match="espeak, pypinyin"):
         TextTokenizer(backend="g2p")
+
+
+def test_bad_item_names_the_cut_in_the_tokenizer_report(tok):
+    from types import SimpleNamespace
+
+    from lhotse import MonoCut, SupervisionSegment
+
+    from valle.data import validation as V
+    from valle.data.pipeline import Options, PartTokenizer, Stats
+
+    sup = SupervisionSegment("utt-latin", "rec", 0.0, 2.0, text="我有3个apple", language="Chinese")
+    cut = MonoCut("cut-latin", 0.0, 2.0, 0, supervisions=[sup])
+    runner = SimpleNamespace(opts=Options("src", "out", "p"), text=tok, fixed_table=None)
+    report = V.ValidationReport()
+    assert PartTokenizer.tokenize_text(runner, cut, report, Stats(), set()) is None
+    [entry] = report.entries
+    assert entry.cut_id == "cut-latin" and "'3aelp'" in entry.detail
