@@ -175,7 +175,7 @@ def test_a_batch_left_empty_by_quarantine_does_not_end_the_epoch(tmp_path):
 
 
 def test_unrepairable_state_exits_with_its_own_code(tmp_path):
-    """One rank, an optimizer OOM with no local retry left (--update-retries 0): no healthy
+    """One rank, an optimizer OOM on the update and on both its local retries: no healthy
     rank to copy from -> exit 10, clear message."""
     import subprocess
     import sys
@@ -183,12 +183,18 @@ def test_unrepairable_state_exits_with_its_own_code(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, str(root / "bin/trainer.py"),
-                           *argv(tmp_path / "exp", "--inject-fault", "optimizer@1", "--update-retries", "0",
-                                 "--max-steps", "3")],
+                           *argv(tmp_path / "exp", "--inject-fault", "optimizer@1x3", "--max-steps", "3")],
                           capture_output=True, text=True, timeout=120,
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 10, proc.stderr[-2000:]
     assert "Restart from the last checkpoint" in proc.stderr
+
+
+def test_an_update_that_fails_twice_resumes_and_equals_the_clean_run(tmp_path):
+    clean = run_local(tmp_path / "clean", "--max-steps", "3")
+    faulty = run_local(tmp_path / "faulty", "--inject-fault", "optimizer@1x2", "--max-steps", "3")
+    assert faulty.epochs[0]["oom_events"] == 2
+    assert_same_params(faulty.model_state, clean.model_state, rtol=0, atol=0)
 
 
 def test_accumulate_grad_steps_equals_one_larger_batch(tmp_path):

@@ -146,7 +146,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                         "(it resumes where it stopped) before the rank is repaired from another")
     r.add_argument("--count-allocations", default="", help=argparse.SUPPRESS)
     r.add_argument("--inject-fault", action="append", default=[], type=parse_fault,
-                   metavar="PHASE@STEP[:RANKS]|PHASE@cut=ID|alloc@STEP:N[:RANKS]")
+                   metavar="PHASE@STEP[xK][:RANKS]|PHASE@cut=ID|alloc@STEP:N[:RANKS]")
     r.add_argument("--inject-fault-real", type=str2bool, default=False)
     r.add_argument("--check-consistency-every", type=int, default=0)
     r.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")

@@ -50,6 +50,7 @@ def test_drop_cuts(batch):
     ("forward@3", "forward", 3, None, None),
     ("backward@0:1,3", "backward", 0, None, frozenset({1, 3})),
     ("to_device@cut=a:b:c", "to_device", None, "a:b:c", None),
+    ("optimizer@2x3:1", "optimizer", 2, None, frozenset({1})),
 ])
 def test_parse_fault(text, phase, step, cut, ranks):
     spec = parse_fault(text)

@@ -1,8 +1,8 @@
 """Fault injection: make a chosen phase of a chosen step fail, on chosen ranks.
 
-`--inject-fault PHASE@STEP[:RANKS]` raises `torch.OutOfMemoryError` at PHASE on
+`--inject-fault PHASE@STEP[xK][:RANKS]` raises `torch.OutOfMemoryError` at PHASE on
 the first attempt of optimizer step STEP only (a one-off, like a fragmentation
-spike). `--inject-fault PHASE@cut=ID` raises whenever cut ID is in the
+spike; with xK, on K passes, e.g. every local retry of an update). `--inject-fault PHASE@cut=ID` raises whenever cut ID is in the
 micro-batch (a batch that can never fit), so the retry splits until the cut is
 alone and ends in quarantine. `stall@STEP[:RANKS]` sleeps inside the step so the
 watchdog can be tested. With `--inject-fault-real` on CUDA, memory is really
@@ -53,6 +53,7 @@ class FaultSpec:
     cut_id: str | None = None
     ranks: frozenset[int] | None = None  # None: every rank
     nth: int = 0  # alloc: the Nth allocating op of the step (1-based)
+    times: int = 1  # PHASE@STEPxK: fire on K passes through the phase (e.g. every update retry)
 
     def applies_to_rank(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
@@ -91,10 +92,11 @@ def parse_fault(text: str) -> FaultSpec:
     else:
         step_text, _, ranks_text = where.partition(":")
         nth_text = "0"
+    step_text, _, times_text = step_text.partition("x")
     if phase == "alloc" and step_text == "startup":
         step_text = "-1"  # set-up, before the first step: model, optimizer state, data
     try:
-        step, nth = int(step_text), int(nth_text)
+        step, nth, times = int(step_text), int(nth_text), int(times_text or 1)
         if ranks_text:
             ranks = frozenset(int(r) for r in ranks_text.split(","))
     except ValueError:
@@ -103,7 +105,9 @@ def parse_fault(text: str) -> FaultSpec:
         raise fail("STEP must be >= 0")
     if phase == "alloc" and nth < 1:
         raise fail("N must be >= 1")
-    return FaultSpec(phase=phase, step=step, ranks=ranks, nth=nth)
+    if times < 1:
+        raise fail("xK needs K >= 1")
+    return FaultSpec(phase=phase, step=step, ranks=ranks, nth=nth, times=times)
 
 
 class FaultInjector:
@@ -211,8 +215,9 @@ class FaultInjector:
                 if cut_ids is not None and spec.cut_id in cut_ids:
                     return True
             elif (spec.step == self.step and self.attempt == 0
-                  and (phase, self.step, self.attempt) not in self.fired):
-                # Once per step: the recovery path must be able to pass the same point.
+                  and self.fired.count((phase, self.step, self.attempt)) < spec.times):
+                # Once per step (or K times with xK): the recovery path must be able to
+                # pass the same point.
                 return True
         return False
 

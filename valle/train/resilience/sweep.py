@@ -111,9 +111,9 @@ def trainer_argv(exp_dir: Path, cfg: SweepConfig, extra: list[str]) -> list[str]
     if cfg.scenario == "retry":
         argv += ["--inject-fault", f"forward@{cfg.fault_step}:{w - 1}"]
     elif cfg.scenario == "repair":
-        # rank w-1's update fails at step fault_step-1 with no local retry: it is repaired
-        # from rank 0 in step fault_step, whose allocations are swept
-        argv += ["--update-retries", "0", "--inject-fault", f"optimizer@{cfg.fault_step - 1}:{w - 1}"]
+        # rank w-1's update fails at step fault_step-1 on every local retry (2, so x3): it
+        # is repaired from rank 0 in step fault_step, whose allocations are swept
+        argv += ["--inject-fault", f"optimizer@{cfg.fault_step - 1}x3:{w - 1}"]
     return argv + extra
 
 
