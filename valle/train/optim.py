@@ -458,12 +458,11 @@ class Adam(Optimizer):
         new_p = torch._foreach_mul(params, 1 - lr * wd) if wd and group["decoupled"] else \
             torch._foreach_mul(params, 1.0)
         torch._foreach_add_(new_p, update)
-        # ... commit (in-place copies allocate nothing).
-        torch._foreach_copy_(exp_avg, new_avg)
-        torch._foreach_copy_(exp_avg_sq, new_sq)
+        # ... commit, allocating nothing: the moments by handing the new tensors to the
+        # state (no copy), the parameters in place (other objects hold them).
         torch._foreach_copy_(params, new_p)
-        for s, k in zip(states, steps):
-            s["step"] = k
+        for s, k, avg, sq in zip(states, steps, new_avg, new_sq):
+            s["step"], s["exp_avg"], s["exp_avg_sq"] = k, avg, sq
 
 
 def materialize_optimizer_state(optimizer: Optimizer) -> None:
