@@ -10,6 +10,7 @@ prefetch ahead.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 from collections.abc import Iterator
@@ -183,6 +184,10 @@ class TtsDataModule:
         g.add_argument("--drop-last", type=_str2bool, default=False)
         g.add_argument("--num-workers", type=int, default=2)
         g.add_argument("--max-prompt-duration", type=float, default=3.0)
+        g.add_argument("--languages", default=None,
+                       help="VALL-E X (--num-languages > 0): the espeak voices in language-id order, "
+                            "comma-separated (en-us,cmn); default: the voices bin/tokenizer.py "
+                            "recorded in {dataset}_text_stats.json, sorted. Saved in checkpoints")
         g.add_argument("--shar-dir", default=None,
                        help="train from Lhotse Shar shards in this directory (comma-separated for "
                             "several), dealt per rank and per DataLoader worker; validation still "
@@ -191,6 +196,35 @@ class TtsDataModule:
     # ---- helpers -----------------------------------------------------------
     def _arg(self, name: str, default: Any = None) -> Any:
         return getattr(self.args, name, default)
+
+    def languages(self) -> list[str] | None:
+        """VALL-E X: the espeak voices in language-id order (None without --num-languages)."""
+        n = int(self._arg("num_languages", 0) or 0)
+        if n <= 0:
+            return None
+        if getattr(self, "_languages", None) is not None:
+            return self._languages
+        given = self._arg("languages")
+        if isinstance(given, str):
+            given = [x.strip() for x in given.split(",") if x.strip()]
+        if given:
+            languages = list(given)
+        else:
+            from valle.data.pipeline import text_stats_path
+
+            stats = text_stats_path(self.args.manifest_dir, self.args.dataset)
+            if not stats.is_file():
+                raise FileNotFoundError(f"--num-languages {n}: no --languages and no {stats} to read "
+                                        "them from (run bin/tokenizer.py, or pass --languages en-us,cmn)")
+            recorded = json.loads(stats.read_text())["total"].get("languages", {})
+            languages = sorted(v for v, d in recorded.items() if d.get("cuts", 0) > 0)
+        if len(set(languages)) != len(languages):
+            raise ValueError(f"--languages {','.join(languages)}: a language is listed twice")
+        if not languages or len(languages) > n:
+            raise ValueError(f"--num-languages {n} but {len(languages)} languages "
+                             f"({','.join(languages)}): give --num-languages >= the number of languages")
+        self._languages = languages
+        return languages
 
     def text_tokens_path(self) -> Path:
         path = self._arg("text_tokens") or Path(self.args.manifest_dir) / "unique_text_tokens.k2symbols"
@@ -267,6 +301,7 @@ class TtsDataModule:
             get_text_token_collater(self.text_tokens_path()),
             prompt_cuts=cuts if prompts else None,
             max_prompt_duration=self._arg("max_prompt_duration", 3.0),
+            languages=self.languages(),
         )
         return ResumableLoader(dataset, BudgetedSampler(sampler, constraint), self.args.num_workers,
                                world_size, rank, seed)
@@ -285,7 +320,8 @@ class TtsDataModule:
         flags = (f"--max-duration {self.args.max_duration:g} / --max-text-tokens "
                  f"{self._arg('max_text_tokens')}")
         data = SharTrainSet(
-            shards, SpeechSynthesisDataset(get_text_token_collater(self.text_tokens_path())), constraint,
+            shards, SpeechSynthesisDataset(get_text_token_collater(self.text_tokens_path()),
+                                           languages=self.languages()), constraint,
             rank, world_size, seed, self.args.shuffle, self.args.num_buckets, self.args.buffer_size,
             _ReportingFilter(self.args.filter_min_duration, self.args.filter_max_duration, constraint, flags),
         )

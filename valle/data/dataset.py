@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,13 +69,18 @@ class SpeechSynthesisDataset(torch.utils.data.Dataset):
     ``prompt_features``: codes of a neighbouring utterance of the same speaker, <= 3 s
     (prefix mode 4). A speaker with a single utterance is prompted with the first 3 s of
     the utterance itself, and counted in ``prompt_index.self_prompted``.
+
+    With ``languages`` (VALL-E X, --num-languages > 0: the espeak voices in id order), each row
+    also gets ``text_languages`` (B,): the id of the voice its text was phonemized with, which
+    bin/tokenizer.py stored as the supervision's ``custom["espeak_voice"]``.
     """
 
     def __init__(self, text_collater: TextTokenCollater, prompt_cuts=None,
-                 max_prompt_duration: float = 3.0) -> None:
+                 max_prompt_duration: float = 3.0, languages: Sequence[str] | None = None) -> None:
         super().__init__()
         self.text_collater = text_collater
         self.prompt_index = PromptIndex(prompt_cuts, max_prompt_duration) if prompt_cuts is not None else None
+        self.language_ids = {lang: i for i, lang in enumerate(languages)} if languages else None
 
     def __getitem__(self, cuts) -> dict:
         cuts = cuts.sort_by_duration(ascending=False) if hasattr(cuts, "sort_by_duration") else cuts
@@ -97,6 +103,8 @@ class SpeechSynthesisDataset(torch.utils.data.Dataset):
             "audio_features_lens": audio_lens,
             "durations": torch.tensor([c.duration for c in cuts], dtype=torch.float32),
         }
+        if self.language_ids is not None:
+            batch["text_languages"] = torch.tensor([self._language_id(c) for c in cuts], dtype=torch.long)
         if self.prompt_index is not None:
             prompts = []
             for c, feats in zip(cuts, features):
@@ -107,4 +115,15 @@ class SpeechSynthesisDataset(torch.utils.data.Dataset):
                     prompts.append(self.prompt_index.load(src))
             batch["prompt_features"], batch["prompt_features_lens"] = collate_audio_features(prompts)
         return batch
+
+    def _language_id(self, cut) -> int:
+        custom = (cut.supervisions[0].custom or {}) if cut.supervisions else {}
+        voice = custom.get("espeak_voice")
+        if voice is None:
+            raise RuntimeError(f"cut {cut.id}: no espeak_voice in its supervision (re-run bin/tokenizer.py); "
+                               "--num-languages needs the language each text was phonemized in")
+        if voice not in self.language_ids:
+            raise RuntimeError(f"cut {cut.id}: language {voice!r} is not one of --languages "
+                               f"{list(self.language_ids)}")
+        return self.language_ids[voice]
 

@@ -36,6 +36,7 @@ class Voice:
     rate: int  # words per minute
     pitch: int  # 0..100
     pitch_range: int = 50
+    language: str = LANGUAGE  # the supervision language written to the manifests
 
 
 VOICES: tuple[Voice, ...] = (
@@ -135,44 +136,52 @@ def synthesize_corpus(
     voices: Sequence[Voice] = VOICES,
     limit: int | None = None,
 ) -> Path:
-    """Write ``wavs/<speaker>/<utt>.wav`` and ``metadata.tsv`` (utt, speaker, wav, text).
+    """Write ``wavs/<speaker>/<utt>.wav`` and ``metadata.tsv`` (utt, speaker, wav, text, language).
     Sentence i goes to voice i % len(voices) so every speaker gets a share of the text list."""
+    sentences = sentences[:limit] if limit else sentences
+    return synthesize_items([(text, voices[i % len(voices)]) for i, text in enumerate(sentences)], out_dir)
+
+
+def synthesize_items(items: Sequence[tuple[str, Voice]], out_dir: str | Path) -> Path:
+    """(text, voice) pairs -> wavs and ``metadata.tsv``; utterance i is ``<speaker>_<i:04d>``.
+    Voices of several languages make a multilingual corpus (VALL-E X)."""
     import soundfile as sf
 
     out_dir = Path(out_dir)
     synth = EspeakSynth.get()
     rows = []
-    for i, text in enumerate(sentences[:limit] if limit else sentences):
-        voice = voices[i % len(voices)]
+    for i, (text, voice) in enumerate(items):
         utt = f"{voice.speaker}_{i:04d}"
         wav_path = out_dir / "wavs" / voice.speaker / f"{utt}.wav"
         wav_path.parent.mkdir(parents=True, exist_ok=True)
         samples = trim_silence(synth.synthesize(text, voice), synth.sample_rate)
         sf.write(wav_path, samples, synth.sample_rate, subtype="PCM_16")
-        rows.append(f"{utt}\t{voice.speaker}\t{wav_path.relative_to(out_dir)}\t{text}")
+        rows.append(f"{utt}\t{voice.speaker}\t{wav_path.relative_to(out_dir)}\t{text}\t{voice.language}")
     meta = out_dir / "metadata.tsv"
     tmp = meta.with_suffix(".tmp")
     tmp.write_text("\n".join(rows) + "\n", encoding="utf-8")
     tmp.replace(meta)
-    logger.info("synthesised %d utterances, %d voices, into %s", len(rows), len(voices), out_dir)
+    logger.info("synthesised %d utterances, %d voices, into %s", len(rows),
+                len({v.speaker for _, v in items}), out_dir)
     return meta
 
 
 def make_manifests(corpus_dir: str | Path, output_dir: str | Path, prefix: str = "tiny") -> None:
-    """metadata.tsv -> {prefix}_recordings_all.jsonl.gz and {prefix}_supervisions_all.jsonl.gz."""
+    """metadata.tsv -> {prefix}_recordings_all.jsonl.gz and {prefix}_supervisions_all.jsonl.gz.
+    A fifth column (language) is optional: without it the supervision language is en-us."""
     from lhotse import Recording, RecordingSet, SupervisionSegment, SupervisionSet
 
     corpus_dir, output_dir = Path(corpus_dir), Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     recordings, supervisions = [], []
     for line in (corpus_dir / "metadata.tsv").read_text(encoding="utf-8").splitlines():
-        utt, speaker, rel, text = line.split("\t", 3)
+        utt, speaker, rel, text, *rest = line.split("\t")
         rec = Recording.from_file(corpus_dir / rel, recording_id=utt)
         recordings.append(rec)
         supervisions.append(
             SupervisionSegment(
                 id=utt, recording_id=utt, start=0.0, duration=rec.duration, channel=0,
-                text=text, speaker=speaker, language=LANGUAGE,
+                text=text, speaker=speaker, language=rest[0] if rest else LANGUAGE,
             )
         )
     RecordingSet.from_recordings(recordings).to_file(output_dir / f"{prefix}_recordings_all.jsonl.gz")

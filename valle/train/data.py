@@ -67,9 +67,11 @@ class SyntheticData:
     """Deterministic synthetic cuts (no corpus needed): tests, GPU checks, benchmarks."""
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext):
-        spec = SyntheticSpec(num_cuts=cfg.synthetic_data, seed=cfg.seed)
+        languages = int(cfg.args.get("num_languages", 0) or 0)
+        spec = SyntheticSpec(num_cuts=cfg.synthetic_data, seed=cfg.seed, num_languages=languages)
         self.corpus = SyntheticCorpus(spec)
-        self.valid = SyntheticCorpus(SyntheticSpec(num_cuts=max(ctx.world_size, 8), seed=cfg.seed + 1))
+        self.valid = SyntheticCorpus(SyntheticSpec(num_cuts=max(ctx.world_size, 8), seed=cfg.seed + 1,
+                                                   num_languages=languages))
         self.sampler = SyntheticSampler(self.corpus, cfg.synthetic_batch_size, ctx.rank,
                                         ctx.world_size, seed=cfg.seed,
                                         partition=cfg.synthetic_partition)

@@ -38,6 +38,11 @@ class LhotseTrainData:
         cfg.args["max_text_tokens"] = self.module.args.max_text_tokens
         # Checkpoints carry the resolved symbol table path: bin/infer.py reads it from there.
         cfg.args["text_tokens"] = str(self.module.text_tokens_path().resolve())
+        # VALL-E X: the language-id order, so bin/infer.py maps --language to the same ids.
+        languages = self.module.languages()
+        if languages is not None:
+            cfg.args["languages"] = languages
+            logger.info("languages (id order): %s", ", ".join(languages))
         self.train: ResumableLoader | SharLoader = self.module.train_dataloader(ctx.rank, ctx.world_size)
         self.valid: ResumableLoader | None = None
         try:

@@ -25,6 +25,7 @@ class SyntheticSpec:
     num_text_tokens: int = 64  # ids 4.. are "phonemes"; 0..3 are <eps>/<pad>/<bos>/<eos>
     num_quantizers: int = 8
     num_audio_tokens: int = 1024
+    num_languages: int = 0  # VALL-E X: each cut also gets a language id in [0, num_languages)
     seed: int = 0
 
 
@@ -38,7 +39,10 @@ class SyntheticCorpus:
             t = int(torch.randint(spec.audio_len[0], spec.audio_len[1] + 1, (), generator=g))
             text = torch.randint(4, spec.num_text_tokens, (s,), generator=g)
             codes = torch.randint(0, spec.num_audio_tokens, (t, spec.num_quantizers), generator=g)
-            self.cuts.append({"id": f"syn-{i:05d}", "text": text, "codes": codes})
+            cut = {"id": f"syn-{i:05d}", "text": text, "codes": codes}
+            if spec.num_languages:
+                cut["language"] = i % spec.num_languages
+            self.cuts.append(cut)
 
     def __len__(self) -> int:
         return len(self.cuts)
@@ -54,7 +58,7 @@ def collate(cuts: list[dict]) -> Batch:
     for i, c in enumerate(cuts):
         text[i, : len(c["text"])] = c["text"]
         audio[i, : len(c["codes"])] = c["codes"]
-    return {
+    batch = {
         "cut_ids": [c["id"] for c in cuts],
         "text": [" ".join(str(int(x)) for x in c["text"][:8]) for c in cuts],
         "text_tokens": text,
@@ -63,6 +67,9 @@ def collate(cuts: list[dict]) -> Batch:
         "audio_features_lens": audio_lens,
         "durations": audio_lens.float() / 75.0,
     }
+    if "language" in cuts[0]:
+        batch["text_languages"] = torch.tensor([c["language"] for c in cuts], dtype=torch.long)
+    return batch
 
 
 class SyntheticSampler:

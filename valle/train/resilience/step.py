@@ -527,6 +527,7 @@ class ResilientStep:
                     train_stage=self.cfg.train_stage, sample_seeds=seeds,
                     prompt_features=on_device.get("prompt_features"),
                     prompt_features_lens=on_device.get("prompt_features_lens"),
+                    text_languages=on_device.get("text_languages"),
                 )
             return self.faults.poison_grad(self.faults.poison_loss(loss.float())), metrics
 
