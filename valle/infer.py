@@ -351,8 +351,9 @@ class Synthesizer:
         n = getattr(model, "num_languages", 0)
         if not n:
             return None
-        if isinstance(languages, str):
-            languages = [x.strip() for x in languages.split(",") if x.strip()]
+        from valle.data.languages import split_languages
+
+        languages = split_languages(languages)
         if not languages:
             raise InputError(
                 f"the model has --num-languages {n} but the checkpoint lists no 'languages': "

@@ -159,6 +159,7 @@ class TtsDataModule:
         self.filter_report = V.ValidationReport()
         self._kept: dict[str, int] = {}  # cuts the filters kept, per part
         self._train_loader: ResumableLoader | None = None
+        self._languages: list[str] | None = None  # resolved once by languages()
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -202,14 +203,12 @@ class TtsDataModule:
         n = int(self._arg("num_languages", 0) or 0)
         if n <= 0:
             return None
-        if getattr(self, "_languages", None) is not None:
+        if self._languages is not None:
             return self._languages
-        given = self._arg("languages")
-        if isinstance(given, str):
-            given = [x.strip() for x in given.split(",") if x.strip()]
-        if given:
-            languages = list(given)
-        else:
+        from valle.data.languages import split_languages
+
+        languages = split_languages(self._arg("languages"))
+        if not languages:
             from valle.data.pipeline import text_stats_path
 
             stats = text_stats_path(self.args.manifest_dir, self.args.dataset)

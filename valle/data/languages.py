@@ -96,6 +96,13 @@ def _lookup(key: str) -> str | None:
     return variants[0] if variants else None
 
 
+def split_languages(value: str | list[str] | None) -> list[str]:
+    """A ``--languages`` value ("en-us,cmn" or a list, as checkpoints keep it) as a list."""
+    if isinstance(value, str):
+        return [x.strip() for x in value.split(",") if x.strip()]
+    return list(value or [])
+
+
 def espeak_voice(language: str | None, default: str = "en-us") -> str:
     """The espeak voice for a supervision's language (``default`` when it has none)."""
     if language is None or not str(language).strip():
