@@ -8,12 +8,19 @@ Writes the tables into docs/oom.md between the sweep markers, with this command.
 
   python scripts/oom_sweep.py                 # the whole sweep (every op kind in every phase)
   python scripts/oom_sweep.py --select all --worlds 1 --scaler off   # every single allocation
+
+Each configuration's result is kept under --cache (keyed by the code it ran on), so a
+sweep that was stopped resumes where it stopped: rerun the same command.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
+import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from valle.train.resilience.sweep import (  # noqa: E402
+    PointResult,
     SweepConfig,
+    SweepResult,
     elapsed,
     markdown_table,
     phase_table,
@@ -64,6 +73,9 @@ def main() -> int:
                         "ends: its first and last; phases: the first of every phase; all: every one")
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "oom.md")
     p.add_argument("--no-doc", action="store_true", help="print the tables only")
+    p.add_argument("--cache", type=Path, default=ROOT / "exp" / "oom-sweep-cache",
+                   help="per-configuration results, reused by a rerun on the same code")
+    p.add_argument("--no-cache", action="store_true", help="rerun every configuration")
     args = p.parse_args()
     configs = configurations([int(w) for w in args.worlds.split(",")],
                              [s == "on" for s in args.scaler.split(",")],
@@ -72,16 +84,26 @@ def main() -> int:
                              args.failing.split(","))
     start = time.monotonic()
     results = []
+    resumed = 0
+    cache = None if args.no_cache else args.cache / f"{_code_key()}-{args.select}"
     for i, cfg in enumerate(configs, 1):
         t0 = time.monotonic()
-        r = run_sweep(cfg, args.select)
+        r = _load(cache, cfg)
+        if r is None:
+            r = run_sweep(cfg, args.select)
+            _store(cache, r)
+        else:
+            resumed += 1
+            print(f"[{i}/{len(configs)}] {cfg.name}: from {cache}", flush=True)
         results.append(r)
         bad = [pt for pt in r.points if pt.outcome not in ("survived", "not hit")]
         print(f"[{i}/{len(configs)}] {cfg.name}: {dict(r.counts())} ({elapsed(t0)})", flush=True)
         for pt in bad:
             print(f"    N={pt.index} {pt.phase} {pt.op}: {pt.outcome} {pt.detail}", flush=True)
     command = "python scripts/oom_sweep.py " + " ".join(sys.argv[1:])
-    text = (f"{BEGIN}\nCommand: `{command.strip()}` ({elapsed(start)} on {_machine()}).\n\n"
+    took = elapsed(start) + (f", {resumed} of {len(configs)} configurations from an earlier run "
+                             f"of the same code" if resumed else "")
+    text = (f"{BEGIN}\nCommand: `{command.strip()}` ({took} on {_machine()}).\n\n"
             f"{markdown_table(results)}\n\nBy phase (all configurations):\n\n{phase_table(results)}\n{END}")
     print(text)
     if not args.no_doc:
@@ -93,6 +115,37 @@ def main() -> int:
         args.doc.write_text(doc)
     bad = sum(r.counts().get(o, 0) for r in results for o in ("crash", "hang", "lost"))
     return 1 if bad else 0
+
+
+def _code_key() -> str:
+    """The commit plus a hash of uncommitted changes to the code the sweep runs."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout
+
+    head = git("rev-parse", "--short=12", "HEAD").strip() or "nogit"
+    dirty = git("diff", "HEAD", "--", "valle", "bin", "scripts")
+    return head + ("-" + hashlib.sha1(dirty.encode()).hexdigest()[:8] if dirty else "")
+
+
+def _cache_file(cache: Path, cfg: SweepConfig) -> Path:
+    return cache / (cfg.name.replace(" ", "_").replace("+", "-") + ".json")
+
+
+def _load(cache: Path | None, cfg: SweepConfig) -> SweepResult | None:
+    if cache is None or not _cache_file(cache, cfg).exists():
+        return None
+    data = json.loads(_cache_file(cache, cfg).read_text())
+    points = [PointResult(**{**pt, "also": [tuple(a) for a in pt["also"]]}) for pt in data["points"]]
+    return SweepResult(SweepConfig(**data["config"]), data["census_size"], points)
+
+
+def _store(cache: Path | None, result: SweepResult) -> None:
+    if cache is None:
+        return
+    cache.mkdir(parents=True, exist_ok=True)
+    path = _cache_file(cache, result.config)
+    path.with_suffix(".tmp").write_text(json.dumps(dataclasses.asdict(result)))
+    path.with_suffix(".tmp").replace(path)
 
 
 def _machine() -> str:
