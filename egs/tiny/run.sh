@@ -48,6 +48,10 @@ train=(--manifest-dir "$data" --dataset tiny --max-duration 16 --max-text-tokens
        --base-lr 0.05 --warmup-steps 20 --lr-batches 200 --log-interval 20 --valid-interval "$valid_interval"
        --save-every-n 40 --average-period 5 --collective-timeout 120 --stall-min-seconds 300)
 torchrun=("$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc")
+# Decoding (scripts/bench_quality.py reads this line): top-k 3, best of 4 samples by the model's own
+# likelihood, and no EOS before 3 frames per phoneme (an undertrained model ends rows at once).
+# On one demo checkpoint these took held-out PER from 0.874 (top-k 10) to 0.753 (docs/evaluation.md).
+decode=(--top-k 3 --num-candidates 4 --min-len-ratio 3 --seed 1)
 
 if [ "$stage" -le 0 ] && [ "$stop_stage" -ge 0 ]; then
   log 0 "corpus (held-out sentences and voices), codec, tokens, phoneme judge"
@@ -83,7 +87,7 @@ if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
   "$python" "$here/local/test_items.py" --cuts "$data/tiny_cuts_test.jsonl.gz" --num-items "$num_items" \
     --infer-tsv "$exp/infer/infer.tsv" --eval-tsv "$items"
   "$python" "$root/bin/infer.py" --checkpoint "$checkpoint" --device cpu --tsv "$exp/infer/infer.tsv" \
-    --output-dir "$exp/infer" --top-k 10 --seed 1 --batch-size 4 --allow-random-encodec ||
+    --output-dir "$exp/infer" "${decode[@]}" --batch-size 4 --allow-random-encodec ||
     log 3 "some items gave no audio: the evaluation scores them as silence"
 fi
 
