@@ -9,6 +9,7 @@
 #   4 bin/evaluate.py: PER, speaker similarity, duration, length-cap hits, beside their ceilings
 #   5 summary (wavs, figures, TensorBoard dir, loss-curve PNG)
 #   egs/tiny/run.sh [--stage 0] [--stop-stage 5] [--nproc 2] [--ar-epochs 8] [--nar-epochs 4] [--quick true]
+#                   [--exp exp/valle]
 set -euo pipefail
 
 stage=0
@@ -20,16 +21,16 @@ generated=1000
 num_items=8
 quick=false
 codec=auto
+exp=exp/valle  # under egs/tiny
 python=${PYTHON:-python}
 
-options="stage stop_stage nproc ar_epochs nar_epochs generated num_items quick codec python"
+options="stage stop_stage nproc ar_epochs nar_epochs generated num_items quick codec exp python"
 . "$(dirname "${BASH_SOURCE[0]}")/../parse_options.sh"
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 cd "$here"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1
-exp=exp/valle
 data=data/tiny/tokenized
 judge_epochs=30
 judge_limit=224  # the natural training sentences (listed first): about 850 CTC steps
