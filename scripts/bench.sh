@@ -35,6 +35,14 @@ tmp=$(mktemp)
   echo '```'
   echo
   python scripts/bench_tokenizer.py 2>/dev/null
+  echo
+  echo "## Quality against training time (the demo's model and corpus)"
+  echo
+  echo '```'
+  echo "python scripts/bench_quality.py"
+  echo '```'
+  echo
+  python scripts/bench_quality.py 2>/dev/null
 } > "$tmp"
 # Keep notes written by hand below the generated part.
 if [ -f "$out" ] && grep -q '^<!-- notes -->' "$out"; then

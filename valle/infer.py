@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=42)
     g.add_argument("--max-len-ratio", type=float, default=16.0,
                    help="at most this many frames per text token (prompt text included)")  # fmt: skip
+    g.add_argument("--min-len-ratio", type=float, default=0.0,
+                   help="no EOS before this many frames per token of the text to say (0: no floor, "
+                        "as lifeiteng); guards an undertrained model against empty rows")  # fmt: skip
     g.add_argument("--stop-rule", default="argmax-or-sampled",
                    choices=["argmax-or-sampled", "sampled"],
                    help="stop a row when EOS is the most likely token or is sampled (lifeiteng), "
@@ -497,10 +500,13 @@ def write_wav(path: Path, wav: torch.Tensor) -> None:
 def decode_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.num_candidates < 1:
         raise InputError(f"--num-candidates must be >= 1, got {args.num_candidates}")
+    if not 0 <= args.min_len_ratio < args.max_len_ratio:
+        raise InputError(f"--min-len-ratio must be in [0, --max-len-ratio {args.max_len_ratio}), "
+                         f"got {args.min_len_ratio}")
     if args.ras_window < 1 or not 0 <= args.ras_threshold <= 1:
         raise InputError("--ras-window must be >= 1 and --ras-threshold in [0, 1]")
     return dict(top_k=args.top_k, top_p=args.top_p, temperature=args.temperature,
-                max_len_ratio=args.max_len_ratio, seed=args.seed,
+                max_len_ratio=args.max_len_ratio, min_len_ratio=args.min_len_ratio, seed=args.seed,
                 stop_rule=args.stop_rule.replace("-", "_"), num_candidates=args.num_candidates,
                 repetition_aware=args.repetition_aware, ras_window=args.ras_window,
                 ras_threshold=args.ras_threshold)  # fmt: skip

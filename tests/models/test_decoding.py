@@ -38,6 +38,26 @@ def test_stop_rule_argmax_or_sampled():
     assert (lens > 0).sum() >= 3
 
 
+@pytest.mark.parametrize("num_candidates", [1, 3])
+def test_min_len_ratio_holds_eos_back_per_row(num_candidates):
+    """EOS is the argmax everywhere; with a floor each row runs exactly to its own floor
+    (frames per token of the text to say: prompt transcript, BOS and EOS not counted)."""
+    model, b = _eos_likely_model(), make_batch()
+    prompt, plens = _prompt(b)
+    text_lens = b["text_tokens_lens"]
+    prompt_text_lens = torch.tensor([2, 0, 0, 1])  # text lens (7, 5, 3, 6)
+    to_say = text_lens - 2 - prompt_text_lens
+    _, lens = model.inference(b["text_tokens"], text_lens, prompt, plens, prompt_text_lens=prompt_text_lens,
+                              seed=0, min_len_ratio=1.5, max_len_ratio=4, on_empty="mark",
+                              num_candidates=num_candidates, return_lens=True)  # fmt: skip
+    assert lens.tolist() == torch.floor(to_say * 1.5).long().tolist()
+    assert len(set(lens.tolist())) > 1  # rows differ: the floor is per row
+    # The length cap still wins over a floor above it.
+    _, lens = model.inference(b["text_tokens"], text_lens, prompt, plens, seed=0, min_len_ratio=3,
+                              max_len_ratio=1, on_empty="mark", return_lens=True)  # fmt: skip
+    assert lens.tolist() == text_lens.tolist()
+
+
 def test_one_empty_row_does_not_fail_the_batch():
     model, b = tiny_model("valle", 1).eval(), make_batch()
     prompt, plens = _prompt(b)

@@ -463,6 +463,7 @@ class _VALLEBase(nn.Module):
         top_p: float = 1.0,
         temperature: float = 1.0,
         max_len_ratio: float = 16.0,
+        min_len_ratio: float = 0.0,
         use_kv_cache: bool = True,
         seed: int | None = None,
         force_len: int | None = None,
@@ -487,6 +488,9 @@ class _VALLEBase(nn.Module):
         * ``prompt_text_lens`` (B,): tokens after BOS that belong to the prompt's
           transcript. Prefix modes 2 and 4 need it: their NAR was trained on the target
           text alone, so it is given BOS + the text to say + EOS (as in lifeiteng).
+        * ``min_len_ratio`` > 0: EOS is not allowed before ``min_len_ratio`` x the number of
+          tokens of the text to say (prompt transcript, BOS and EOS not counted) frames, so
+          an undertrained model cannot end a row before it began (lifeiteng has no floor: 0).
         * ``stop_rule``: ``argmax_or_sampled`` (lifeiteng) stops a row when EOS is the most
           likely token or is sampled; ``sampled`` only when it is sampled.
         * ``num_candidates`` N > 1: N AR samples per row, keep the one with the highest
@@ -517,9 +521,16 @@ class _VALLEBase(nn.Module):
             nar_langs = self._nar_text(langs, text_tokens_lens, prompt_text_lens)[0]
         n = num_candidates
         rep = (lambda t: t.repeat_interleave(n, dim=0)) if n > 1 else (lambda t: t)
+        min_lens = None
+        if min_len_ratio > 0:
+            to_say = text_tokens_lens.to(device) - 2
+            if prompt_text_lens is not None:
+                to_say = to_say - prompt_text_lens.to(device=device, dtype=torch.long)
+            min_lens = rep(torch.floor(to_say.clamp(min=0).double() * min_len_ratio).long())
         gen0, gen_lens, scores = self._ar_generate(
             rep(text_tokens), rep(text_tokens_lens), rep(prompt_codes[..., 0]), rep(prompt_lens),
             top_k=top_k, top_p=top_p, temperature=temperature, max_len_ratio=max_len_ratio,
+            min_lens=min_lens,
             use_kv_cache=use_kv_cache, seed=seed, force_len=force_len, stop_rule=stop_rule,
             want_scores=n > 1, repetition_aware=repetition_aware, ras_window=ras_window,
             ras_threshold=ras_threshold, langs=None if langs is None else rep(langs),
@@ -602,6 +613,7 @@ class _VALLEBase(nn.Module):
         self, text, text_lens, prompt0, prompt_lens, *, top_k, top_p, temperature,
         max_len_ratio, use_kv_cache, seed, force_len, stop_rule="argmax_or_sampled",
         want_scores=False, repetition_aware=False, ras_window=10, ras_threshold=0.1, langs=None,
+        min_lens=None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """Codebook 0 per row after its prompt: (codes (B, T), lengths (B,), scores or None).
 
@@ -663,6 +675,9 @@ class _VALLEBase(nn.Module):
         for i in range(max_new):
             if force_len is not None:
                 logits[:, eos] = float("-inf")
+            elif min_lens is not None:  # no EOS before the row's floor (caps still win)
+                early = (i < min_lens) & (i < caps)
+                logits[:, eos] = logits[:, eos].masked_fill(early, float("-inf"))
             tok = sample(
                 logits, top_k=top_k, top_p=top_p, temperature=temperature, generator=generator
             )
