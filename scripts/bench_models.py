@@ -3,7 +3,9 @@
 
 1. one training step (stage 0, forward + backward, fp32): achieved FLOP/s, counted with
    torch.utils.flop_counter, against this machine's measured fp32 matmul rate;
-2. AR decoding of 8.5 s of audio (638 frames at 75 Hz) after a 3 s prompt (225
+2. the AR training step with the guided-attention loss (--guided-attention-weight, which
+   computes the probed layers' attention explicitly instead of by SDPA) against without;
+3. AR decoding of 8.5 s of audio (638 frames at 75 Hz) after a 3 s prompt (225
    frames), with and without the KV cache (EOS ignored so both run the same length).
 
 Prints the exact command first, then markdown tables.
@@ -159,10 +161,37 @@ def bench_decode(
     return statistics.median(cached), statistics.median(cached_1t), full[0], statistics.median(nar)
 
 
-def build(args, dropout: float, vocab: int, device):
+def build(args, dropout: float, vocab: int, device, **extra):
     return get_model(dict(model_name="valle", decoder_dim=args.decoder_dim, nhead=args.nhead,
                           num_decoder_layers=args.num_decoder_layers, dropout=dropout,
-                          prefix_mode=1, num_text_tokens=vocab)).to(device)  # fmt: skip
+                          prefix_mode=1, num_text_tokens=vocab, **extra)).to(device)  # fmt: skip
+
+
+def report_guided(args, vocab: int, device) -> None:
+    """AR step (stage 1, fwd+bwd, dropout 0) with the guided-attention loss vs without, interleaved."""
+    batch = make_batch(args.batch_size, args.text_len, args.audio_len, 8, vocab, device)
+    steps = {}
+    for name, weight in (("without", 0.0), ("with", 1.0)):
+        torch.manual_seed(0)
+        model = build(args, 0.0, vocab, device, guided_attention_weight=weight).train()
+
+        def step(model=model):
+            model.zero_grad(set_to_none=True)
+            model(*batch, train_stage=1)[0].backward()
+
+        steps[name] = step
+    times = {name: [] for name in steps}
+    for _ in range(args.repeats):  # interleaved: both see the same machine load
+        for name, step in steps.items():
+            times[name].append(min(_time(step, device, 1, warmup=1)))
+    plain, guided = min(times["without"]), min(times["with"])
+    print(f"## AR training step with the guided-attention loss (default: first 2 heads of the last 2 "
+          f"layers; batch {args.batch_size} x ({args.text_len} text, {args.audio_len} frames), stage 1, "
+          f"fp32, dropout 0)\n")  # fmt: skip
+    print(f"| AR step | time (best of {args.repeats}) |\n| --- | --- |")
+    print(f"| without (SDPA everywhere) | {plain * 1e3:.0f} ms |")
+    print(f"| with --guided-attention-weight 1 | {guided * 1e3:.0f} ms |")
+    print(f"| ratio | {guided / plain:.2f}x |\n")
 
 
 def report_train(args, model, dropout: float, vocab: int, device) -> None:
@@ -236,6 +265,7 @@ def main() -> None:
         model = build(args, dropout, vocab, device)
         report_train(args, model, dropout, vocab, device)
 
+    report_guided(args, vocab, device)
     if args.skip_decode:
         return
     model = build(args, 0.0, vocab, device).eval()

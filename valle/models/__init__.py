@@ -23,7 +23,15 @@ MODEL_DEFAULTS: dict[str, Any] = dict(
     norm_first=True, add_prenet=False, prefix_mode=1, share_embedding=True, prepend_bos=False,
     num_quantizers=8, num_text_tokens=512, dropout=0.1,
     tie_ar_head=False, nar_head_tie="lifeiteng", positions="interleaved", nar_position_scale="fixed",
-    num_languages=0,
+    num_languages=0, guided_attention_weight=0.0, guided_attention_sigma=0.2,
+    guided_attention_heads=2, guided_attention_layers=2,
+)  # fmt: skip
+
+# Hyper-parameters of the training loss, not of the architecture: on resume the flags
+# give them (a run may turn guided attention off once the model aligns), not the checkpoint.
+TRAINING_HPARAMS = frozenset(
+    ("guided_attention_weight", "guided_attention_sigma", "guided_attention_heads",
+     "guided_attention_layers")
 )  # fmt: skip
 
 # What the keys added after the first checkpoints meant before they existed: a config
@@ -89,6 +97,28 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-languages", type=int, default=d["num_languages"],
                    help="VALL-E X: > 0 adds a language-ID embedding to the text (ids from the "
                         "supervision's language, in the order of the config's 'languages')")  # fmt: skip
+    g.add_argument("--guided-attention-weight", type=float, default=d["guided_attention_weight"],
+                   help="AR training: weight of the guided attention loss that pulls the "
+                        "attention from audio to text towards the diagonal (0: off; "
+                        "docs/training.md)")  # fmt: skip
+    g.add_argument(
+        "--guided-attention-sigma",
+        type=float,
+        default=d["guided_attention_sigma"],
+        help="width of the diagonal band, as a fraction of the text/audio length",
+    )
+    g.add_argument(
+        "--guided-attention-heads",
+        type=int,
+        default=d["guided_attention_heads"],
+        help="guided heads per layer (the first ones)",
+    )
+    g.add_argument(
+        "--guided-attention-layers",
+        type=int,
+        default=d["guided_attention_layers"],
+        help="guided layers (the last ones)",
+    )
 
 
 def model_hparams(params: Any) -> dict[str, Any]:
@@ -105,9 +135,12 @@ def model_hparams(params: Any) -> dict[str, Any]:
         "num_quantizers",
         "num_text_tokens",
         "num_languages",
+        "guided_attention_heads",
+        "guided_attention_layers",
     ):
         hp[k] = int(hp[k])
-    hp["scale_factor"], hp["dropout"] = float(hp["scale_factor"]), float(hp["dropout"])
+    for k in ("scale_factor", "dropout", "guided_attention_weight", "guided_attention_sigma"):
+        hp[k] = float(hp[k])
     hp["model_name"] = str(hp["model_name"]).lower()
     for k in ("nar_head_tie", "positions", "nar_position_scale"):
         hp[k] = str(hp[k])

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from . import LEGACY_HPARAMS, model_hparams
+from . import LEGACY_HPARAMS, TRAINING_HPARAMS, model_hparams
 from .valle import NUM_AUDIO_TOKENS
 
 LIFEITENG_HPARAM_KEYS = (
@@ -114,7 +114,8 @@ def ours_hparams(config: Mapping[str, Any], state: Mapping[str, Any]) -> dict[st
     if "tie_ar_head" not in config:
         # The first model tied the AR head exactly when --share-embedding was true.
         config["tie_ar_head"] = "ar_predict_layer.weight" not in state
-    return model_hparams(config)
+    # Loss settings stay with whoever trains next (the flags), defaults elsewhere.
+    return {k: v for k, v in model_hparams(config).items() if k not in TRAINING_HPARAMS}
 
 
 # ------------------------------------------------------------------ lifeiteng

@@ -80,7 +80,11 @@ class MultiHeadAttention(nn.Module):
         mask: torch.Tensor | None,
         memory: torch.Tensor | None = None,
         cache: LayerCache | None = None,
+        scores_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """``scores_out``: when a list, the attention scores (B, H, N, K) are appended to it
+        (float32, scaled, masked keys at -inf) and attention is computed explicitly from them
+        rather than by SDPA (the guided-attention loss reads them)."""
         b, n, d = x.shape
         if self.cross:
             q = self._heads(self.q_proj(x), 1)[0]
@@ -96,9 +100,16 @@ class MultiHeadAttention(nn.Module):
             q, k, v = self._heads(F.linear(x, self.qkv_proj.weight, bias), 3).unbind(0)
             if cache is not None:
                 k, v = cache.self_attn.append(k, v)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0
-        )
+        dropout_p = self.dropout if self.training else 0.0
+        if scores_out is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        else:
+            scores = (q @ k.transpose(-2, -1)).float() * self.head_dim**-0.5
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            scores_out.append(scores)
+            probs = scores.softmax(dim=-1)
+            out = F.dropout(probs, dropout_p, self.training).to(v.dtype) @ v
         return self.out_proj(out.transpose(1, 2).reshape(b, n, d))
 
 
@@ -160,21 +171,32 @@ class TransformerLayer(nn.Module):
         memory: torch.Tensor | None = None,
         memory_mask: torch.Tensor | None = None,
         cache: LayerCache | None = None,
+        scores_out: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """``scores_out``: when a list, the scores of the attention that sees the text (the
+        cross-attention when there is one, else the self-attention) are appended."""
         drop = self.dropout
+        self_scores = None if self.has_cross else scores_out
+        cross_scores = scores_out if self.has_cross else None
         if self.norm_first:
-            x = x + drop(self.self_attn(self._norm(self.norm1, x, cond), mask, cache=cache))
+            h = self._norm(self.norm1, x, cond)
+            x = x + drop(self.self_attn(h, mask, cache=cache, scores_out=self_scores))
             if self.has_cross:
                 h = self._norm(self.norm2, x, cond)
-                x = x + drop(self.cross_attn(h, memory_mask, memory=memory, cache=cache))
+                x = x + drop(
+                    self.cross_attn(
+                        h, memory_mask, memory=memory, cache=cache, scores_out=cross_scores
+                    )
+                )
             return x + drop(self._ff(self._norm(self.norm3, x, cond)))
-        x = self._norm(self.norm1, x + drop(self.self_attn(x, mask, cache=cache)), cond)
+        x = self._norm(
+            self.norm1, x + drop(self.self_attn(x, mask, cache=cache, scores_out=self_scores)), cond
+        )
         if self.has_cross:
-            x = self._norm(
-                self.norm2,
-                x + drop(self.cross_attn(x, memory_mask, memory=memory, cache=cache)),
-                cond,
+            attended = self.cross_attn(
+                x, memory_mask, memory=memory, cache=cache, scores_out=cross_scores
             )
+            x = self._norm(self.norm2, x + drop(attended), cond)
         return self._norm(self.norm3, x + drop(self._ff(x)), cond)
 
 
@@ -212,9 +234,16 @@ class TransformerStack(nn.Module):
         memory: torch.Tensor | None = None,
         memory_mask: torch.Tensor | None = None,
         caches: list[LayerCache] | None = None,
+        scores_out: list[torch.Tensor] | None = None,
+        probe_last: int = 0,
     ) -> torch.Tensor:
+        """``scores_out`` with ``probe_last`` = n: the text-attention scores of the last n
+        layers are appended to the list (see TransformerLayer.forward)."""
+        first_probed = len(self.layers) - probe_last
         for i, layer in enumerate(self.layers):
-            x = layer(x, mask, cond, memory, memory_mask, None if caches is None else caches[i])
+            probe = scores_out if i >= first_probed else None
+            x = layer(x, mask, cond, memory, memory_mask, None if caches is None else caches[i],
+                      scores_out=probe)  # fmt: skip
         if self.final_norm is not None:
             x = self.final_norm(x, cond) if self.adaptive else self.final_norm(x)
         return x

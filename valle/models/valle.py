@@ -66,6 +66,45 @@ def pack_sequences(
     return out.masked_fill(~(cols < lens[:, None])[..., None], pad), lens
 
 
+class GuidedAttention:
+    """Guided attention loss (Tachibana et al. 2017, DC-TTS; ESPnet's guided multi-head
+    form): the AR's attention from audio frame t to text token s is penalised by
+    ``1 - exp(-(s/S - t/T)^2 / (2 sigma^2))``, zero on the diagonal of the (T, S) grid of
+    each row's own lengths. Text and speech advance together, so this only tells the model
+    where to look sooner: a decoder-only AR otherwise discovers the alignment from data
+    alone, which a small corpus or a short budget may not give it (docs/training.md).
+
+    Applied to the first ``heads`` heads of the last ``layers`` layers (the others stay
+    free), in training only; inference is unchanged. Summed over audio frames like the
+    cross entropy it is added to, averaged over the guided heads, times ``weight``.
+    """
+
+    def __init__(self, weight: float, sigma: float, heads: int, layers: int):
+        self.weight, self.sigma, self.heads = weight, sigma, heads
+        self.layers = layers if weight > 0 else 0
+
+    def penalty_grid(self, text_valid: torch.Tensor, audio_valid: torch.Tensor) -> torch.Tensor:
+        """(B, T, S) penalty, zero at padded text keys and padded audio queries."""
+        s_len = text_valid.sum(1, keepdim=True).clamp(min=1).float()
+        t_len = audio_valid.sum(1, keepdim=True).clamp(min=1).float()
+        s_pos = torch.arange(text_valid.shape[1], device=text_valid.device)[None, :] / s_len
+        t_pos = torch.arange(audio_valid.shape[1], device=audio_valid.device)[None, :] / t_len
+        dist = s_pos[:, None, :] - t_pos[:, :, None]
+        grid = 1.0 - torch.exp(-dist.square() / (2 * self.sigma**2))
+        return grid * (audio_valid[:, :, None] & text_valid[:, None, :])
+
+    def loss(
+        self, scores: list[torch.Tensor], text_valid: torch.Tensor, audio_valid: torch.Tensor
+    ) -> torch.Tensor:
+        """``scores``: per probed layer, (B, H, T, S) attention scores of audio frames on the
+        text. The penalty is taken on each head's attention renormalised over the text: on
+        the full softmax a decoder-only head escapes it by looking at past audio instead
+        (measured: guided heads' text mass fell to 0.01 and nothing aligned)."""
+        grid = self.penalty_grid(text_valid, audio_valid)[:, None]
+        total = sum((s[:, : self.heads].softmax(dim=-1) * grid).sum() for s in scores)
+        return self.weight * total / (self.heads * len(scores))
+
+
 class _VALLEBase(nn.Module):
     """Everything VALL-E and VALL-F share; subclasses say how text and audio meet."""
 
@@ -92,6 +131,10 @@ class _VALLEBase(nn.Module):
         positions: str = "interleaved",
         nar_position_scale: str = "fixed",
         num_languages: int = 0,
+        guided_attention_weight: float = 0.0,
+        guided_attention_sigma: float = 0.2,
+        guided_attention_heads: int = 2,
+        guided_attention_layers: int = 2,
     ):
         super().__init__()
         if prefix_mode not in (0, 1, 2, 4):
@@ -113,6 +156,10 @@ class _VALLEBase(nn.Module):
             num_quantizers=num_quantizers, num_text_tokens=num_text_tokens, dropout=dropout,
             tie_ar_head=tie_ar_head, nar_head_tie=nar_head_tie, positions=positions,
             nar_position_scale=nar_position_scale, num_languages=num_languages,
+            guided_attention_weight=guided_attention_weight,
+            guided_attention_sigma=guided_attention_sigma,
+            guided_attention_heads=guided_attention_heads,
+            guided_attention_layers=guided_attention_layers,
         )  # fmt: skip
         self.prefix_mode, self.num_quantizers = prefix_mode, num_quantizers
         self.share_embedding, self.prepend_bos = share_embedding, prepend_bos
@@ -120,6 +167,21 @@ class _VALLEBase(nn.Module):
         if num_languages < 0:
             raise ValueError(f"--num-languages must be >= 0, got {num_languages}")
         self.num_languages = num_languages
+        if guided_attention_weight < 0 or guided_attention_sigma <= 0:
+            raise ValueError(
+                "--guided-attention-weight must be >= 0 and --guided-attention-sigma > 0, got "
+                f"{guided_attention_weight} and {guided_attention_sigma}"
+            )
+        if guided_attention_weight and (guided_attention_heads < 1 or guided_attention_layers < 1):
+            raise ValueError(
+                "--guided-attention-heads and --guided-attention-layers must be >= 1, got "
+                f"{guided_attention_heads} and {guided_attention_layers}"
+            )
+        # AR training only: heads x layers whose attention to the text is pulled to the diagonal.
+        self.guided = GuidedAttention(
+            guided_attention_weight, guided_attention_sigma,
+            min(guided_attention_heads, nhead), min(guided_attention_layers, num_decoder_layers),
+        )  # fmt: skip
         d = decoder_dim
         nar_d = int(decoder_dim * scale_factor)
         nar_heads = max(1, int(nhead * scale_factor))
@@ -281,7 +343,11 @@ class _VALLEBase(nn.Module):
         return torch.bmm(h, weight.transpose(1, 2).to(h.dtype))
 
     # ----------------------------------------------- architecture-specific cores
-    def _ar_core(self, x, text_valid, y, audio_valid, caches=None):  # pragma: no cover
+    def _ar_core(
+        self, x, text_valid, y, audio_valid, caches=None, scores_out=None, probe_last=0
+    ):  # pragma: no cover
+        """AR decoder output over the audio columns. ``scores_out``: a list that receives the
+        audio-to-text attention scores (B, H, T, S) of the last ``probe_last`` layers."""
         raise NotImplementedError
 
     def _ar_core_step(self, y, text_valid, audio_valid, caches):  # pragma: no cover
@@ -319,10 +385,11 @@ class _VALLEBase(nn.Module):
         text_valid = _lengths_to_valid(text_tokens_lens, text_tokens.shape[1])
         langs = self._languages(text_tokens, text_languages)
         if train_stage in (0, 1):
-            ar_loss, correct, frames = self._ar_loss(
+            ar_loss, correct, frames, guided = self._ar_loss(
                 text_tokens, text_valid, audio_features[..., 0], audio_features_lens, langs
             )
-            loss = loss + ar_loss
+            # The ar_loss metric stays the cross entropy; the guided term only steers training.
+            loss = loss + ar_loss + (guided if guided is not None else 0.0)
             metrics.update(ar_loss=ar_loss.detach(), ar_top10_correct=correct, ar_frames=frames)
         if train_stage in (0, 2) and self.num_quantizers > 1:
             with self.nar_forward_context():
@@ -357,7 +424,8 @@ class _VALLEBase(nn.Module):
             return loss, hit.sum().float(), valid.sum().float()
 
     def _ar_loss(self, text, text_valid, codes0, audio_lens, langs=None):
-        """Teacher-forced AR loss over codebook 0; the target after the last frame is EOS."""
+        """Teacher-forced AR loss over codebook 0; the target after the last frame is EOS.
+        Also the weighted guided-attention penalty (None when off or not training)."""
         eos, bsz, t_max = NUM_AUDIO_TOKENS, codes0.shape[0], codes0.shape[1]
         y = codes0.masked_fill(~_lengths_to_valid(audio_lens, t_max), eos)
         eos_col = y.new_full((bsz, 1), eos)
@@ -372,8 +440,15 @@ class _VALLEBase(nn.Module):
         targets = targets.masked_fill(~in_valid, IGNORE)
         x = self._ar_embed_text(text, text_valid, langs)
         pos = torch.arange(inputs.shape[1], device=inputs.device)
-        h = self._ar_core(x, text_valid, self._ar_embed_audio(inputs, pos), in_valid)
-        return self._loss_and_top10(self._ar_logits(h), targets)
+        guided = self.training and self.guided.weight > 0
+        scores: list[torch.Tensor] | None = [] if guided else None
+        y = self._ar_embed_audio(inputs, pos)
+        h = self._ar_core(
+            x, text_valid, y, in_valid, scores_out=scores, probe_last=self.guided.layers
+        )
+        loss, correct, frames = self._loss_and_top10(self._ar_logits(h), targets)
+        penalty = self.guided.loss(scores, text_valid, in_valid) if guided else None
+        return loss, correct, frames, penalty
 
     def _nar_layout(self, codes, audio_lens, sample_seeds, prompt, prompt_lens):
         """Per-row NAR input: packed codes, prompt length, valid length, loss mask."""
@@ -764,11 +839,17 @@ class VALLE(_VALLEBase):
 
     cross_attention = False
 
-    def _ar_core(self, x, text_valid, y, audio_valid, caches=None):
+    def _ar_core(self, x, text_valid, y, audio_valid, caches=None, scores_out=None, probe_last=0):
         key_valid = torch.cat([text_valid, audio_valid], dim=1)
-        mask = prefix_causal_mask(key_valid, x.shape[1])
-        h = self.ar_decoder(torch.cat([x, y], dim=1), mask, caches=caches)
-        return h[:, x.shape[1] :]
+        s = x.shape[1]
+        mask = prefix_causal_mask(key_valid, s)
+        full = [] if scores_out is not None else None
+        h = self.ar_decoder(
+            torch.cat([x, y], dim=1), mask, caches=caches, scores_out=full, probe_last=probe_last
+        )
+        if scores_out is not None:
+            scores_out.extend(p[:, :, s:, :s] for p in full)  # audio queries, text keys
+        return h[:, s:]
 
     def _ar_core_step(self, y, text_valid, audio_valid, caches):
         # One new query at the last column: it may see every valid key so far.
@@ -786,11 +867,12 @@ class VALLF(_VALLEBase):
 
     cross_attention = True
 
-    def _ar_core(self, x, text_valid, y, audio_valid, caches=None):
+    def _ar_core(self, x, text_valid, y, audio_valid, caches=None, scores_out=None, probe_last=0):
         mask = prefix_causal_mask(audio_valid, 0)
         return self.ar_decoder(
-            y, mask, memory=x, memory_mask=key_padding_mask(text_valid), caches=caches
-        )
+            y, mask, memory=x, memory_mask=key_padding_mask(text_valid), caches=caches,
+            scores_out=scores_out, probe_last=probe_last,
+        )  # fmt: skip
 
     def _ar_core_step(self, y, text_valid, audio_valid, caches):
         return self.ar_decoder(
