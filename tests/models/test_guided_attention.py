@@ -151,3 +151,16 @@ def test_a_resumed_run_takes_the_loss_settings_from_its_flags_not_the_checkpoint
     again = get_model(restored)
     again.load_state_dict(model.state_dict())
     assert again.guided.weight == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_guided_path_trains_under_autocast(dtype):
+    """The probed layers compute their scores in float32 whatever autocast gives them."""
+    model = tiny_model(guided_attention_weight=1.0).train()
+    batch = make_batch()
+    with torch.autocast("cpu", dtype=dtype):
+        loss, metrics = run(model, batch, train_stage=1)
+    assert loss.dtype == torch.float32 and loss > metrics["ar_loss"]
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
