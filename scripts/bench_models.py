@@ -180,10 +180,12 @@ def report_guided(args, vocab: int, device) -> None:
             model(*batch, train_stage=1)[0].backward()
 
         steps[name] = step
+    for step in steps.values():
+        _time(step, device, 0)  # warm-up only
     times = {name: [] for name in steps}
     for _ in range(args.repeats):  # interleaved: both see the same machine load
         for name, step in steps.items():
-            times[name].append(min(_time(step, device, 1, warmup=1)))
+            times[name] += _time(step, device, 1, warmup=0)
     plain, guided = min(times["without"]), min(times["with"])
     print(f"## AR training step with the guided-attention loss (default: first 2 heads of the last 2 "
           f"layers; batch {args.batch_size} x ({args.text_len} text, {args.audio_len} frames), stage 1, "
