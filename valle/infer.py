@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="inference precision of the model")  # fmt: skip
     p.add_argument("--encodec-checkpoint", default=None, help="EnCodec 24 kHz state dict")
+    p.add_argument("--codec-dir", default=None,
+                   help="directory holding the mel_rvq.pt (and audio_codec.json) the model was trained "
+                        "with; default: the checkpoint's manifest dir")
     p.add_argument("--allow-random-encodec", action="store_true",
                    help="random EnCodec weights when none are found (tests only: the audio is noise)")  # fmt: skip
     p.add_argument("--text-extractor", default="espeak", choices=["espeak", "pypinyin"],
@@ -571,13 +574,14 @@ def run(args: argparse.Namespace) -> RunResult:
         table
     ).is_file():  # before the codec loads: a lifeiteng checkpoint names its recipe's path
         raise InputError(f"symbol table {table} not found (pass --text-tokens)")
-    try:  # the codec the checkpoint's corpus was tokenized with (valle/codec: EnCodec or mel-rvq)
-        from valle.codec import codec_for_checkpoint
+    from valle.codec import CodecMismatchError, codec_for_checkpoint
 
+    try:  # the codec the checkpoint's corpus was tokenized with (valle/codec: EnCodec or mel-rvq)
         audio_tokenizer = codec_for_checkpoint(
-            config, device, args.encodec_checkpoint, args.allow_random_encodec
+            config, device, args.encodec_checkpoint, args.allow_random_encodec,
+            codec_dir=args.codec_dir,
         )
-    except FileNotFoundError as e:
+    except (FileNotFoundError, CodecMismatchError) as e:
         raise InputError(str(e)) from e
     synth = Synthesizer(model, table, audio_tokenizer, device, language=args.language,
                         prompt_language=args.prompt_language, checkpoint_config=config,

@@ -108,3 +108,31 @@ def test_save_load_and_checkpoint_lookup(codec, wavs, tmp_path):
         MelRvqCodec.load(tmp_path / "nowhere" / STATE_FILE)
     with pytest.raises(FileNotFoundError, match="--codec-dir"):
         codec_for_checkpoint({"manifest_dir": str(tmp_path / "none")}, codec="mel-rvq")
+
+
+def test_a_refitted_codec_is_refused_for_a_checkpoint_trained_on_the_old_one(codec, wavs, tmp_path):
+    """Refitting (other data, other k-means) gives other codes for the same audio: a checkpoint
+    records the state's sha256 and inference refuses a state file that differs."""
+    from valle.codec import CodecMismatchError, codec_identity
+
+    corpus = tmp_path / "tokenized"
+    codec.save(corpus / STATE_FILE)
+    write_codec_record(corpus, codec)
+    identity = codec_identity(corpus)
+    assert identity["codec"] == "mel-rvq" and len(identity["sha256"]) == 64
+    config = {"manifest_dir": str(corpus), "audio_codec": identity}
+    assert isinstance(codec_for_checkpoint(config), MelRvqCodec)  # the same state: accepted
+
+    refitted = MelRvqCodec.fit(wavs[2:8], FitConfig(iterations=4))
+    x = wavs[0].reshape(1, 1, -1)
+    assert not torch.equal(refitted.encode(x), codec.encode(x))  # why it matters
+    refitted.save(corpus / STATE_FILE)
+    with pytest.raises(CodecMismatchError, match=f"{STATE_FILE}.*refitted"):
+        codec_for_checkpoint(config)
+    # The original state elsewhere (--codec-dir) is accepted again.
+    original = tmp_path / "original"
+    codec.save(original / STATE_FILE)
+    write_codec_record(original, codec)
+    assert torch.equal(codec_for_checkpoint(config, codec_dir=original).encode(x), codec.encode(x))
+    # A checkpoint from before the hash was recorded keeps working (nothing to compare).
+    assert isinstance(codec_for_checkpoint({"manifest_dir": str(corpus)}), MelRvqCodec)

@@ -71,3 +71,22 @@ def test_short_training_lowers_held_out_per(heldout_data, tmp_path):
     per_trained = _synthesise_and_score(trained, items, evaluated, tmp_path / "trained")
     # held-out sentences in held-out voices; an untrained model babbles (PER about 1 or more)
     assert per_trained < 0.75 * per_untrained and per_untrained - per_trained > 0.2, (per_trained, per_untrained)
+    _refitted_codec_is_refused(trained, heldout_data, items, tmp_path)
+
+
+def _refitted_codec_is_refused(checkpoint: Path, data: Path, items: Path, tmp_path: Path) -> None:
+    """The checkpoint records its codec's hash; bin/infer refuses another mel_rvq.pt."""
+    from valle.codec import RECORD_FILE, codec_identity
+    from valle.codec.mel_rvq import STATE_FILE, MelRvqCodec
+    from valle.infer import main as infer
+
+    config = torch.load(checkpoint, map_location="cpu", weights_only=False)["config"]
+    assert config["audio_codec"] == codec_identity(data) and config["audio_codec"]["sha256"]
+    other = MelRvqCodec.load(data / STATE_FILE)
+    other.codebooks = other.codebooks.flip(1)  # the same shapes, other codes: as a refit gives
+    other_dir = tmp_path / "refitted"
+    other.save(other_dir / STATE_FILE)
+    (other_dir / RECORD_FILE).write_text((data / RECORD_FILE).read_text())
+    assert infer(["--checkpoint", str(checkpoint), "--device", "cpu", "--tsv", str(items), "--output-dir",
+                  str(tmp_path / "refused"), "--codec-dir", str(other_dir)]) == 2
+    assert not list((tmp_path / "refused").glob("*.wav"))

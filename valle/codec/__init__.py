@@ -8,7 +8,11 @@ Where the codec is recorded: ``bin/tokenizer.py`` writes ``audio_codec.json`` in
 directory (the manifest dir), next to the fitted state (``mel_rvq.pt``). The trainer copies
 ``--manifest-dir`` and the absolute ``text_tokens`` path (which lives in that directory) into
 every checkpoint's ``config``, so ``codec_for_checkpoint`` finds the record from a checkpoint
-alone and inference decodes with the codec the model was trained on.
+alone and inference decodes with the codec the model was trained on. A mel-rvq codec is fitted
+(k-means), so refitting it (re-running the recipe's codec stage) gives other codes for the same
+audio: the trainer also records ``audio_codec`` (``codec_identity``: the record plus the
+state file's sha256) in the checkpoint, and ``codec_for_checkpoint`` refuses a state file
+whose hash differs (``CodecMismatchError``) instead of decoding noise.
 
 Nothing heavy is imported here.
 """
@@ -25,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 CODECS = ("encodec", "mel-rvq")
 RECORD_FILE = "audio_codec.json"
+
+
+class CodecMismatchError(ValueError):
+    """The codec found for a checkpoint is not the one its corpus was tokenized with."""
 
 
 def encodec_weights_present(checkpoint: str | os.PathLike | None = None) -> bool:
@@ -102,6 +110,46 @@ def record_dirs_from_config(config: dict) -> list[Path]:
     return dirs
 
 
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def codec_identity(directory: str | os.PathLike) -> dict | None:
+    """The codec record of ``directory`` plus, for a fitted codec, its state file's sha256
+    (what the trainer stores in checkpoints as ``audio_codec``); None without a record."""
+    record = read_codec_record(directory)
+    if record is None:
+        return None
+    identity = dict(record)
+    state = Path(directory) / record.get("state", "")
+    if record["codec"] == "mel-rvq" and state.is_file():
+        identity["sha256"] = _sha256(state)
+    return identity
+
+
+def check_codec_identity(config: dict, directory: str | os.PathLike) -> None:
+    """Raise ``CodecMismatchError`` when the checkpoint recorded a fitted codec whose state
+    file is not the one in ``directory`` (refitted since, or another corpus's)."""
+    recorded = config.get("audio_codec") or {}
+    want = recorded.get("sha256")
+    if not want:
+        return  # a checkpoint from before the hash was recorded, or EnCodec: nothing to compare
+    state = Path(directory) / recorded.get("state", "mel_rvq.pt")
+    have = _sha256(state) if state.is_file() else None
+    if have != want:
+        found = f"sha256 {have[:12]}" if have else "missing"
+        raise CodecMismatchError(
+            f"{state} ({found}) is not the codec this checkpoint was trained with (sha256 "
+            f"{want[:12]}): the codec was refitted after training, so its codes mean other "
+            "sounds. Pass --codec-dir with the original mel_rvq.pt, or retrain on the new codes")
+
+
 def find_codec_record(config: dict) -> tuple[dict, Path] | None:
     for d in record_dirs_from_config(config):
         record = read_codec_record(d)
@@ -126,5 +174,7 @@ def codec_for_checkpoint(config: dict, device: str = "cpu", encodec_checkpoint: 
         raise FileNotFoundError(
             f"the checkpoint's corpus ({', '.join(map(str, record_dirs_from_config(config))) or 'no manifest_dir'}) "
             f"has no {RECORD_FILE}: pass --codec-dir DIR holding mel_rvq.pt")
+    if name == "mel-rvq":
+        check_codec_identity(config, where)
     logger.info("audio codec: %s%s", name, f" (from {where})" if where else "")
     return make_audio_tokenizer(name, where, device, encodec_checkpoint, allow_random_encodec)

@@ -198,6 +198,13 @@ class TtsDataModule:
     def _arg(self, name: str, default: Any = None) -> Any:
         return getattr(self.args, name, default)
 
+    def codec_identity(self) -> dict | None:
+        """The corpus's codec record with the fitted state's sha256 (checkpoints keep it, so
+        inference refuses a codec refitted since: valle/codec)."""
+        from valle.codec import codec_identity
+
+        return codec_identity(self.args.manifest_dir)
+
     def languages(self) -> list[str] | None:
         """VALL-E X: the espeak voices in language-id order (None without --num-languages)."""
         n = int(self._arg("num_languages", 0) or 0)

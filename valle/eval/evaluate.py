@@ -343,6 +343,7 @@ def _checkpoint_config(path: Path) -> tuple[dict, int]:
 def build_tools(args: argparse.Namespace, config: dict) -> tuple[Tools, list[str]]:
     """Load the judges; return them and notes on what is not measured and why."""
     from valle.codec import (
+        check_codec_identity,
         codec_for_checkpoint,
         make_audio_tokenizer,
         read_codec_record,
@@ -381,6 +382,8 @@ def build_tools(args: argparse.Namespace, config: dict) -> tuple[Tools, list[str
         try:
             if args.manifest_dir:
                 record = read_codec_record(args.manifest_dir) or {"codec": "encodec"}
+                if (args.codec or record["codec"]) == "mel-rvq":
+                    check_codec_identity(config, args.manifest_dir)
                 tools.codec = make_audio_tokenizer(args.codec or record["codec"], args.manifest_dir, args.device,
                                                    allow_random_encodec=args.allow_random_encodec)
             else:

@@ -38,6 +38,8 @@ class LhotseTrainData:
         cfg.args["max_text_tokens"] = self.module.args.max_text_tokens
         # Checkpoints carry the resolved symbol table path: bin/infer.py reads it from there.
         cfg.args["text_tokens"] = str(self.module.text_tokens_path().resolve())
+        # ... and the codec's identity (a refitted mel-rvq codec gives other codes).
+        cfg.args["audio_codec"] = self.module.codec_identity()
         # VALL-E X: the language-id order, so bin/infer.py maps --language to the same ids.
         languages = self.module.languages()
         if languages is not None:
