@@ -24,14 +24,14 @@ MODEL_DEFAULTS: dict[str, Any] = dict(
     num_quantizers=8, num_text_tokens=512, dropout=0.1,
     tie_ar_head=False, nar_head_tie="lifeiteng", positions="interleaved", nar_position_scale="fixed",
     num_languages=0, guided_attention_weight=0.0, guided_attention_sigma=0.2,
-    guided_attention_heads=2, guided_attention_layers=2,
+    guided_attention_heads=2, guided_attention_layers=2, paired_prompts=False,
 )  # fmt: skip
 
 # Hyper-parameters of the training loss, not of the architecture: on resume the flags
 # give them (a run may turn guided attention off once the model aligns), not the checkpoint.
 TRAINING_HPARAMS = frozenset(
     ("guided_attention_weight", "guided_attention_sigma", "guided_attention_heads",
-     "guided_attention_layers")
+     "guided_attention_layers", "paired_prompts")
 )  # fmt: skip
 
 # What the keys added after the first checkpoints meant before they existed: a config
@@ -119,13 +119,18 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=d["guided_attention_layers"],
         help="guided layers (the last ones)",
     )
+    g.add_argument("--paired-prompts", type=str2bool, default=d["paired_prompts"],
+                   help="train on rows [a neighbouring utterance of the same speaker; the cut], text "
+                        "and audio, with the loss on the cut only: the zero-shot inference layout "
+                        "(needs --prefix-mode 1 and a cut manifest; docs/training.md)")  # fmt: skip
 
 
 def model_hparams(params: Any) -> dict[str, Any]:
     """The model's hyper-parameters from a Namespace/dataclass/dict; missing ones take defaults."""
     get = params.get if isinstance(params, Mapping) else (lambda k, dflt: getattr(params, k, dflt))
     hp = {k: get(k, v) for k, v in MODEL_DEFAULTS.items()}
-    for k in ("norm_first", "add_prenet", "share_embedding", "prepend_bos", "tie_ar_head"):
+    for k in ("norm_first", "add_prenet", "share_embedding", "prepend_bos", "tie_ar_head",
+              "paired_prompts"):
         hp[k] = str2bool(hp[k])
     for k in (
         "decoder_dim",

@@ -135,10 +135,20 @@ class _VALLEBase(nn.Module):
         guided_attention_sigma: float = 0.2,
         guided_attention_heads: int = 2,
         guided_attention_layers: int = 2,
+        paired_prompts: bool = False,
     ):
         super().__init__()
         if prefix_mode not in (0, 1, 2, 4):
             raise ValueError(f"--prefix-mode must be 0, 1, 2 or 4, got {prefix_mode}")
+        if paired_prompts and prefix_mode != 1:
+            raise ValueError(
+                f"--paired-prompts needs --prefix-mode 1, got {prefix_mode}: the paired row's text "
+                "holds the prompt's transcript, which the NAR of modes 0, 2 and 4 is not given at "
+                "inference"
+            )
+        # Training rows are [same-speaker utterance; target] with the loss on the target
+        # (docs/training.md "Paired prompts"); a training setting, not architecture.
+        self.paired_prompts = paired_prompts
         if num_quantizers < 1:
             raise ValueError(f"--num-quantizers must be >= 1, got {num_quantizers}")
         for flag, value, choices in (
@@ -159,7 +169,7 @@ class _VALLEBase(nn.Module):
             guided_attention_weight=guided_attention_weight,
             guided_attention_sigma=guided_attention_sigma,
             guided_attention_heads=guided_attention_heads,
-            guided_attention_layers=guided_attention_layers,
+            guided_attention_layers=guided_attention_layers, paired_prompts=paired_prompts,
         )  # fmt: skip
         self.prefix_mode, self.num_quantizers = prefix_mode, num_quantizers
         self.share_embedding, self.prepend_bos = share_embedding, prepend_bos
@@ -384,9 +394,13 @@ class _VALLEBase(nn.Module):
                                      "nar_top10_correct", "nar_frames")}  # fmt: skip
         text_valid = _lengths_to_valid(text_tokens_lens, text_tokens.shape[1])
         langs = self._languages(text_tokens, text_languages)
+        if self.paired_prompts and (prompt_features is None or prompt_features_lens is None):
+            raise ValueError("--paired-prompts needs prompt_features and prompt_features_lens "
+                             "(the data module's paired rows)")
         if train_stage in (0, 1):
+            pair = (prompt_features[..., 0], prompt_features_lens) if self.paired_prompts else None
             ar_loss, correct, frames, guided = self._ar_loss(
-                text_tokens, text_valid, audio_features[..., 0], audio_features_lens, langs
+                text_tokens, text_valid, audio_features[..., 0], audio_features_lens, langs, pair
             )
             # The ar_loss metric stays the cross entropy; the guided term only steers training.
             loss = loss + ar_loss + (guided if guided is not None else 0.0)
@@ -423,10 +437,20 @@ class _VALLEBase(nn.Module):
             hit = (top10 == targets.unsqueeze(-1)).any(-1) & valid
             return loss, hit.sum().float(), valid.sum().float()
 
-    def _ar_loss(self, text, text_valid, codes0, audio_lens, langs=None):
+    def _ar_loss(self, text, text_valid, codes0, audio_lens, langs=None, pair=None):
         """Teacher-forced AR loss over codebook 0; the target after the last frame is EOS.
-        Also the weighted guided-attention penalty (None when off or not training)."""
-        eos, bsz, t_max = NUM_AUDIO_TOKENS, codes0.shape[0], codes0.shape[1]
+        Also the weighted guided-attention penalty (None when off or not training).
+
+        ``pair`` (prompt codebook 0 (B, P), lengths (B,)): the prompt's frames go first and
+        are context only: the loss covers the frames after them (as inference continues it).
+        """
+        eos = NUM_AUDIO_TOKENS
+        p = None
+        if pair is not None:
+            p = pair[1].to(audio_lens.dtype)
+            codes0, audio_lens = pack_sequences(pair[0][..., None], p, codes0[..., None], audio_lens, eos)
+            codes0 = codes0[..., 0]
+        bsz, t_max = codes0.shape[0], codes0.shape[1]
         y = codes0.masked_fill(~_lengths_to_valid(audio_lens, t_max), eos)
         eos_col = y.new_full((bsz, 1), eos)
         if self.prepend_bos:
@@ -438,6 +462,10 @@ class _VALLEBase(nn.Module):
             inputs, targets, n_in = y, torch.cat([y[:, 1:], eos_col], dim=1), audio_lens
         in_valid = _lengths_to_valid(n_in, inputs.shape[1])
         targets = targets.masked_fill(~in_valid, IGNORE)
+        if p is not None:  # targets inside the prompt are context, not loss
+            first_target = p if self.prepend_bos else p - 1
+            cols = torch.arange(targets.shape[1], device=targets.device)[None, :]
+            targets = targets.masked_fill(cols < first_target[:, None], IGNORE)
         x = self._ar_embed_text(text, text_valid, langs)
         pos = torch.arange(inputs.shape[1], device=inputs.device)
         guided = self.training and self.guided.weight > 0
@@ -458,7 +486,11 @@ class _VALLEBase(nn.Module):
         if mode == 0:
             return codes, torch.zeros_like(audio_lens), audio_lens, valid
         u = row_uniforms(sample_seeds, bsz, STREAM_PREFIX_LEN, device)
-        if mode == 1:
+        if mode == 1 and self.paired_prompts:
+            # Paired rows: the same-speaker utterance in front is the prompt (as at inference).
+            p, start = prompt_lens.to(audio_lens.dtype), None
+            prompt = prompt[..., : codes.shape[2]]
+        elif mode == 1:
             # Prefix of the same utterance, length in [len/4, len/2), at most 3 s.
             quarter = audio_lens // 4
             p = randint_per_row(u, quarter, 2 * quarter).clamp(max=MAX_PROMPT_FRAMES)
@@ -474,7 +506,7 @@ class _VALLEBase(nn.Module):
             seg_len = max(int(p.max()), 1)
             idx = (start[:, None] + torch.arange(seg_len, device=device)).clamp(max=t_max - 1)
             prompt = codes.gather(1, idx[..., None].expand(-1, -1, codes.shape[2]))
-        else:
+        elif mode == 4:
             if prompt is None or prompt_lens is None:
                 raise ValueError("--prefix-mode 4 needs prompt_features and prompt_features_lens")
             p, start = prompt_lens.to(audio_lens.dtype), None
