@@ -86,7 +86,10 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
 fi
 
 if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
-  if [ "$layout" = heldout ]; then
+  if [ "$layout" = heldout ] && [ -f "$data_dir/tokenized/judge.pt" ]; then
+    # As the tokenizer does with its cuts: kept, so every run is measured with the same judge.
+    log 3 "$data_dir/tokenized/judge.pt exists, skipping (delete it to retrain the phoneme judge)"
+  elif [ "$layout" = heldout ]; then
     log 3 "train the phoneme judge on the training part's ground truth -> $data_dir/tokenized/judge.pt"
     "$python" -m valle.eval.judge train --cuts "$data_dir/tokenized/tiny_cuts_train.jsonl.gz" \
       --valid-cuts "$data_dir/tokenized/tiny_cuts_test.jsonl.gz" --epochs "$judge_epochs" \
