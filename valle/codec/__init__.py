@@ -136,11 +136,13 @@ def codec_identity(directory: str | os.PathLike) -> dict | None:
 def check_codec_identity(config: dict, directory: str | os.PathLike) -> None:
     """Raise ``CodecMismatchError`` when the checkpoint recorded a fitted codec whose state
     file is not the one in ``directory`` (refitted since, or another corpus's)."""
+    from valle.codec.mel_rvq import STATE_FILE
+
     recorded = config.get("audio_codec") or {}
     want = recorded.get("sha256")
     if not want:
         return  # a checkpoint from before the hash was recorded, or EnCodec: nothing to compare
-    state = Path(directory) / recorded.get("state", "mel_rvq.pt")
+    state = Path(directory) / recorded.get("state", STATE_FILE)
     have = _sha256(state) if state.is_file() else None
     if have != want:
         found = f"sha256 {have[:12]}" if have else "missing"

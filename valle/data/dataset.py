@@ -114,7 +114,6 @@ class SpeechSynthesisDataset(torch.utils.data.Dataset):
         if paired_prompts and prompt_cuts is None:
             raise ValueError("paired prompts need prompt_cuts: the CutSet the prompts come from")
         self.text_collater = text_collater
-        self.paired = paired_prompts
         self.prompt_index = (PromptIndex(prompt_cuts, max_prompt_duration, whole=paired_prompts)
                              if prompt_cuts is not None else None)
         self.language_ids = {lang: i for i, lang in enumerate(languages)} if languages else None
@@ -150,6 +149,11 @@ class SpeechSynthesisDataset(torch.utils.data.Dataset):
             prompts = [self._prompt_codes(src, feats) for src, feats in zip(prompt_sources, features)]
             batch["prompt_features"], batch["prompt_features_lens"] = collate_audio_features(prompts)
         return batch
+
+    @property
+    def paired(self) -> bool:
+        """--paired-prompts: the prompt index holds whole utterances with their transcripts."""
+        return self.prompt_index is not None and self.prompt_index.whole
 
     def _prompt_codes(self, source: _PromptSource | None, own_codes):
         if source is not None:
