@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ras-threshold", type=float, default=0.1,
                    help="repetition-aware sampling: redraw when the token fills more than this "
                         "share of the window")  # fmt: skip
+    g.add_argument("--nar-decoding", default="argmax", choices=["argmax", "mmse"],
+                   help="codebooks 1-7: the most likely code (VALL-E), or the code nearest the "
+                        "expected codec vector under the NAR's distribution (an unsure NAR then "
+                        "adds little instead of a wrong guess; docs/inference.md)")  # fmt: skip
     g.add_argument("--split-sentences", action="store_true",
                    help="synthesise a long text sentence by sentence (same prompt) and join the audio")  # fmt: skip
     g.add_argument("--sentence-gap", type=float, default=0.15,
@@ -466,20 +470,34 @@ class Synthesizer:
             out[i, : c.shape[0]] = c
         return out, lens
 
+    def _code_vectors(self, nar_decoding: str) -> list[torch.Tensor] | None:
+        """The codec's code vectors for ``--nar-decoding mmse`` (None for argmax)."""
+        if nar_decoding == "argmax":
+            return None
+        get = getattr(self.audio_tokenizer, "code_vectors", None)
+        if get is None:
+            raise InputError(f"--nar-decoding {nar_decoding}: the codec "
+                             f"{type(self.audio_tokenizer).__name__} gives no code vectors")  # fmt: skip
+        return [v.to(self.device) for v in get()]
+
     def synthesize(
-        self, items: list[Item], *, continual: bool = False, **decode_kwargs
+        self, items: list[Item], *, continual: bool = False, nar_decoding: str = "argmax",
+        **decode_kwargs,
     ) -> list[torch.Tensor | Failure]:
         """One (N,) float waveform at 24 kHz per item, or a ``Failure`` for an item that has none."""
         text, text_lens, prompt_text_lens = self._text_tokens(items, continual)
         langs = self._text_languages(text, prompt_text_lens)
         prompt, prompt_lens = self._prompt_codes(items)
+        vectors = self._code_vectors(nar_decoding)
         if continual:
             codes, lens = self.model.continual(text, text_lens, prompt, prompt_lens,
-                                               text_languages=langs, return_lens=True)  # fmt: skip
+                                               text_languages=langs, code_vectors=vectors,
+                                               return_lens=True)  # fmt: skip
         else:
             codes, lens = self.model.inference(
                 text, text_lens, prompt, prompt_lens, prompt_text_lens=prompt_text_lens,
-                text_languages=langs, on_empty="mark", return_lens=True, **decode_kwargs,
+                text_languages=langs, on_empty="mark", code_vectors=vectors, return_lens=True,
+                **decode_kwargs,
             )  # fmt: skip
         out: list[torch.Tensor | Failure] = []
         for b, item in enumerate(items):
@@ -512,7 +530,7 @@ def decode_options(args: argparse.Namespace) -> dict[str, Any]:
                 max_len_ratio=args.max_len_ratio, min_len_ratio=args.min_len_ratio, seed=args.seed,
                 stop_rule=args.stop_rule.replace("-", "_"), num_candidates=args.num_candidates,
                 repetition_aware=args.repetition_aware, ras_window=args.ras_window,
-                ras_threshold=args.ras_threshold)  # fmt: skip
+                ras_threshold=args.ras_threshold, nar_decoding=args.nar_decoding)  # fmt: skip
 
 
 def _units(items: list[Item], split: bool) -> list[tuple[int, Item]]:
@@ -528,7 +546,7 @@ def _units(items: list[Item], split: bool) -> list[tuple[int, Item]]:
 
 def synthesize_items(synth: Synthesizer, items: list[Item], args: argparse.Namespace) -> RunResult:
     """Decode every item in batches, write its wav, and report the items that failed."""
-    kwargs = {} if args.continual else decode_options(args)
+    kwargs = {"nar_decoding": args.nar_decoding} if args.continual else decode_options(args)
     units = _units(items, args.split_sentences and not args.continual)
     pieces: list[list[torch.Tensor | Failure]] = [[] for _ in items]
     bs = max(1, args.batch_size)

@@ -136,3 +136,15 @@ def test_a_refitted_codec_is_refused_for_a_checkpoint_trained_on_the_old_one(cod
     assert torch.equal(codec_for_checkpoint(config, codec_dir=original).encode(x), codec.encode(x))
     # A checkpoint from before the hash was recorded keeps working (nothing to compare).
     assert isinstance(codec_for_checkpoint({"manifest_dir": str(corpus)}), MelRvqCodec)
+
+
+def test_code_vectors_are_what_decoding_sums(codec, wavs):
+    """code_vectors() (--nar-decoding mmse) lives in the space dequantize sums codes in: the
+    codes in use of each codebook, and their sum is the decoded frame (before un-standardising)."""
+    vectors = codec.code_vectors()
+    assert [tuple(v.shape) for v in vectors] == [(size, 80) for size in codec.sizes]
+    codes = codec.encode(wavs[6][None, None])[0]  # (8, T)
+    summed = sum(vectors[j][codes[j]] for j in range(8))
+    torch.testing.assert_close(summed * codec.std + codec.mean, codec.dequantize(codes))
+    small = MelRvqCodec.fit(wavs[:6], FitConfig(iterations=2, first_codebook_size=16))
+    assert [v.shape[0] for v in small.code_vectors()][:2] == [16, small.sizes[1]]

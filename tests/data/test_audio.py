@@ -71,3 +71,15 @@ def test_codes_stored_as_lhotse_features(tmp_path):
     codes = cut.load_features()
     assert codes.shape == (90, 8) and codes.dtype == np.int16
     assert type(FeatureExtractor.from_dict(extractor.to_dict())) is EncodecCodes
+
+
+def test_code_vectors_are_what_the_decoder_sums(random_audio_tokenizer):
+    """code_vectors() (--nar-decoding mmse): each code's vector in EnCodec's latent; their sum
+    over the 8 codebooks is the quantised latent the decoder receives."""
+    tok = random_audio_tokenizer
+    vectors = tok.code_vectors()
+    assert [tuple(v.shape) for v in vectors] == [(1024, 128)] * 8
+    codes = tok.encode(_signal(0.5))[0]  # (8, T)
+    latent = tok.model.quantizer.decode(codes[:, None, :])  # (1, 128, T)
+    summed = sum(vectors[j][codes[j]] for j in range(8))  # (T, 128)
+    torch.testing.assert_close(summed.T, latent[0])

@@ -180,3 +180,57 @@ def test_bfloat16_decoding_runs_in_bfloat16():
                                   top_k=1, force_len=8, return_lens=True)  # fmt: skip
     assert codes.shape == (4, 8, Q) and (codes < NUM_AUDIO_TOKENS).all()
     assert model.ar_text_embedding.weight.dtype == torch.bfloat16
+
+
+def test_nearest_to_expectation_is_the_mmse_code():
+    from valle.models.sampling import nearest_to_expectation
+
+    vectors = torch.tensor([[4.0, 0.0], [-4.0, 0.0], [0.3, 0.0], [0.0, 9.0]])
+    big = 20.0
+    # Sure of code 1: the argmax.
+    assert int(nearest_to_expectation(torch.tensor([0.0, big, 0.0, 0.0]), vectors)) == 1
+    # Split between the two distant codes: their mean is near code 2, chosen although it is
+    # the least likely; the argmax would add a vector 4 away from the truth half the time.
+    split = torch.tensor([big, big, 0.0, 0.0])
+    assert int(nearest_to_expectation(split, vectors)) == 2
+    assert int(split[:4].argmax()) != 2
+    # Logits beyond the table's rows (codes not in use, EOS) take no part.
+    wide = torch.cat([split, torch.tensor([3 * big])])
+    assert int(nearest_to_expectation(wide, vectors)) == 2
+    # Batched over any leading shape; equals a brute-force expected squared error.
+    logits = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0)) * 3
+    picked = nearest_to_expectation(logits, vectors)
+    p = logits.softmax(-1)
+    cost = (p[..., None, :] * torch.cdist(vectors, vectors).pow(2)[None, None]).sum(-1)  # (3,5,K)
+    assert picked.shape == (3, 5) and torch.equal(picked, cost.argmin(-1))
+
+
+def _far_codes_but_3(width: int = NUM_AUDIO_TOKENS) -> list[torch.Tensor]:
+    """Every code far from every other except code 3 at the origin: for any unsure
+    distribution (no code above half the mass) the MMSE code is 3."""
+    table = 10.0 * torch.eye(width)
+    table[3] = 0.0
+    return [table] * Q
+
+
+def test_nar_mmse_decoding_reaches_codebooks_1_to_7_only():
+    model, b = tiny_model("valle", 1).eval(), make_batch()
+    sharp = model._nar_head
+    model._nar_head = lambda h, stage: sharp(h, stage) * 0.01  # an unsure NAR (untrained: sure)
+    prompt, plens = _prompt(b)
+    args = (b["text_tokens"], b["text_tokens_lens"], prompt, plens)
+    common = dict(top_k=5, max_len_ratio=2.0, seed=0, return_lens=True)
+    plain, lens = model.inference(*args, **common)
+    mmse, lens2 = model.inference(*args, code_vectors=_far_codes_but_3(), **common)
+    assert torch.equal(lens, lens2) and torch.equal(plain[..., 0], mmse[..., 0])  # the AR untouched
+    for r in range(4):
+        n = int(lens[r])
+        assert (mmse[r, :n, 1:] == 3).all()
+        assert not (plain[r, :n, 1:] == 3).all()
+    # The same choice after ground-truth codebook 0.
+    cont = model.continual(b["text_tokens"], b["text_tokens_lens"], b["audio_features"],
+                           b["audio_features_lens"], code_vectors=_far_codes_but_3())  # fmt: skip
+    gen_lens = b["audio_features_lens"] - (b["audio_features_lens"] // 2).clamp(max=225)
+    assert all((cont[r, : int(gen_lens[r]), 1:] == 3).all() for r in range(4))
+    with pytest.raises(ValueError, match="code_vectors has 2 codebooks"):
+        model.inference(*args, code_vectors=_far_codes_but_3()[:2], **common)

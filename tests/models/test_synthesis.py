@@ -107,6 +107,45 @@ def test_batch_of_8_with_one_degenerate_row(setup, tmp_path):
     assert not (tmp_path / "5.wav").exists()
 
 
+class VectorCodec(FakeCodec):
+    """FakeCodec with code vectors (every code far from the others, code 3 at the origin);
+    records the codes it decodes."""
+
+    def __init__(self):
+        self.decoded = []
+
+    def code_vectors(self):
+        table = 10.0 * torch.eye(NUM_AUDIO_TOKENS)
+        table[3] = 0.0
+        return [table] * 8
+
+    def decode(self, codes):
+        self.decoded.append(codes)
+        return super().decode(codes)
+
+
+@pytest.mark.parametrize("continual", [False, True])
+def test_nar_decoding_mmse_uses_the_codecs_code_vectors(setup, tmp_path, continual):
+    _, table, prompt = setup
+    model = tiny_model("valle", 1).eval()
+    sharp = model._nar_head
+    model._nar_head = lambda h, stage: sharp(h, stage) * 0.01  # unsure everywhere
+    items = [Item("the dog", str(prompt), t, tmp_path / f"{i}.wav", f"item {i}")
+             for i, t in enumerate(TEXTS[:2])]  # fmt: skip
+    flags = {"--batch-size": 2, "--continual": True} if continual else {"--batch-size": 2}
+    for mode in ("argmax", "mmse"):
+        codec = VectorCodec()
+        result = synthesize_items(Synthesizer(model, table, codec, "cpu"), items,
+                                  _args(tmp_path, **flags, **{"--nar-decoding": mode}))  # fmt: skip
+        assert len(result.written) == 2 and len(codec.decoded) == 2
+        all3 = all(bool((c[0, 1:] == 3).all()) for c in codec.decoded)
+        assert all3 == (mode == "mmse")
+    # A codec without code vectors: one line naming the flag.
+    with pytest.raises(InputError, match="--nar-decoding mmse: the codec FakeCodec"):
+        synthesize_items(Synthesizer(model, table, FakeCodec(), "cpu"), items,
+                         _args(tmp_path, **flags, **{"--nar-decoding": "mmse"}))  # fmt: skip
+
+
 def test_prompt_and_text_are_phonemized_in_their_own_languages(setup):
     from valle.data.text import WORD_SEP, TextTokenizer
 

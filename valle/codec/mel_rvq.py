@@ -146,6 +146,11 @@ class MelRvqCodec:
         feats = sum(self.codebooks[j][codes[j].long()] for j in range(q))
         return feats * self.std + self.mean
 
+    def code_vectors(self) -> list[torch.Tensor]:
+        """Per codebook, the vector of each code in use, (size_j, n_mels): the codes' place in
+        the space decoding sums them in (``--nar-decoding mmse`` in bin/infer.py)."""
+        return [cb[:size] for cb, size in zip(self.codebooks, self.sizes)]
+
     # ---- AudioTokenizer interface
     @torch.inference_mode()
     def encode(self, wav: torch.Tensor) -> torch.Tensor:

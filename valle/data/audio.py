@@ -156,8 +156,8 @@ class AudioTokenizer:
 
     The codec interface the data pipeline relies on (a second codec provides the same):
     ``sample_rate``, ``num_quantizers``, ``frame_rate``, ``hop_length``, ``name``,
-    ``encode_batch(list of 1-D waveforms at sample_rate) -> list of (Q, T) codes`` and
-    ``decode((B, Q, T)) -> (B, 1, N)``."""
+    ``encode_batch(list of 1-D waveforms at sample_rate) -> list of (Q, T) codes``,
+    ``decode((B, Q, T)) -> (B, 1, N)`` and ``code_vectors() -> Q tensors (K_j, D)``."""
 
     name = "encodec"
     sample_rate = SAMPLE_RATE
@@ -216,6 +216,13 @@ class AudioTokenizer:
         if codes.dim() != 3:
             raise ValueError(f"decode expects (B, Q, T) codes, got {tuple(codes.shape)}")
         return self.model.decode([(codes.to(self.device).long(), None)])
+
+    @torch.inference_mode()
+    def code_vectors(self) -> list[torch.Tensor]:
+        """Per codebook, each code's vector in EnCodec's latent, (1024, 128): the decoder sums
+        them (``--nar-decoding mmse`` in bin/infer.py)."""
+        layers = self.model.quantizer.vq.layers[:NUM_QUANTIZERS]
+        return [layer.project_out(layer._codebook.embed).detach() for layer in layers]
 
     def encode_batch(self, wavs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Mono 24 kHz 1-D waveforms -> list of (8, T_i) codes. EnCodec 24 kHz is causal, so

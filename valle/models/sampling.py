@@ -45,3 +45,23 @@ def sample(
     logits = filter_logits(logits / temperature, top_k=top_k, top_p=top_p)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def nearest_to_expectation(logits: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+    """The code whose codec vector lies nearest the distribution's expected vector.
+
+    ``logits`` (..., V) over codes, ``vectors`` (K, D): code k's vector in the space where the
+    codec sums its codebooks (EnCodec's latent, mel-rvq's standardised log-mel), K <= V codes
+    in use. Among single codes this is the minimum-mean-squared-error choice: it minimises
+    E||v_c - v_true||^2 = ||v_c - E[v]||^2 + const. Where the model is sure it picks the
+    argmax; where it is unsure between distant codes it picks a code near their mean (for a
+    residual codebook, one near zero: little added) instead of committing to one of them,
+    which costs more than it gains when the guess is wrong.
+    """
+    k = vectors.shape[0]
+    probs = torch.softmax(logits[..., :k].float(), dim=-1)
+    table = vectors.to(device=probs.device, dtype=probs.dtype)
+    mean = probs.reshape(-1, k) @ table
+    # ||m - v||^2 = ||v||^2 - 2 m.v + ||m||^2; the last term is the same for every code.
+    dist = (table * table).sum(-1)[None, :] - 2.0 * mean @ table.T
+    return dist.argmin(dim=-1).reshape(probs.shape[:-1])

@@ -23,7 +23,7 @@ from torch import nn
 
 from .embedding import AudioPrenet, SinePositionalEncoding, TextPrenet
 from .rng import randint_per_row, row_uniforms
-from .sampling import sample
+from .sampling import nearest_to_expectation, sample
 from .transformer import LayerCache, TransformerStack, key_padding_mask, prefix_causal_mask
 
 NUM_AUDIO_TOKENS = 1024  # EnCodec codebook size; also the audio pad id and the AR EOS id
@@ -580,6 +580,7 @@ class _VALLEBase(nn.Module):
         ras_window: int = 10,
         ras_threshold: float = 0.1,
         on_empty: str = "raise",
+        code_vectors: list[torch.Tensor] | None = None,
         return_lens: bool = False,
     ):
         """Synthesize codes (B, T, Q) for several texts at once, each after its prompt.
@@ -606,6 +607,10 @@ class _VALLEBase(nn.Module):
           fills more than ``ras_threshold`` of the last ``ras_window`` generated tokens is
           redrawn from the full (temperature-scaled, unfiltered) distribution.
         * ``force_len`` ignores EOS and generates exactly that many frames (benchmarks).
+        * ``code_vectors``: one (K_j, D) tensor per codebook, the codec's vector of each code
+          (``code_vectors()`` of the codecs in valle/codec and valle/data/audio.py). Given,
+          the NAR picks in codebooks 1..Q-1 the code nearest the expected vector under its
+          distribution (``nearest_to_expectation``) instead of the most likely code.
         * A row whose first generated token is EOS has nothing to synthesise:
           ``on_empty="raise"`` raises ValueError naming the rows; ``"mark"`` returns
           length 0 for them (the other rows are decoded normally).
@@ -655,7 +660,8 @@ class _VALLEBase(nn.Module):
                 "no audio to synthesise (untrained checkpoint, or text/prompt mismatch)"
             )
         codes = self._nar_generate(
-            nar_text, nar_text_lens, prompt_codes, prompt_lens, gen0, gen_lens, nar_langs
+            nar_text, nar_text_lens, prompt_codes, prompt_lens, gen0, gen_lens, nar_langs,
+            code_vectors=code_vectors,
         )
         return (codes, gen_lens) if return_lens else codes
 
@@ -690,9 +696,11 @@ class _VALLEBase(nn.Module):
         *,
         prompt_lens: torch.Tensor | None = None,
         text_languages: torch.Tensor | None = None,
+        code_vectors: list[torch.Tensor] | None = None,
         return_lens: bool = False,
     ):
-        """Codebook 0 from ground truth, the NAR predicts the rest.
+        """Codebook 0 from ground truth, the NAR predicts the rest (``code_vectors``: as in
+        ``inference``).
 
         The first ``prompt_lens`` frames (default min(len/2, 3 s) per row) are the
         prompt; returns codes (B, T, Q) of the frames after it (padded with 1024).
@@ -712,7 +720,8 @@ class _VALLEBase(nn.Module):
         gen0 = gen0.masked_fill(~_lengths_to_valid(gen_lens, g_max), NUM_AUDIO_TOKENS)
         langs = self._languages(text_tokens, text_languages)
         codes = self._nar_generate(
-            text_tokens, text_tokens_lens, audio_features, prompt_lens, gen0, gen_lens, langs
+            text_tokens, text_tokens_lens, audio_features, prompt_lens, gen0, gen_lens, langs,
+            code_vectors=code_vectors,
         )
         return (codes, gen_lens) if return_lens else codes
 
@@ -835,10 +844,13 @@ class _VALLEBase(nn.Module):
         return gen, lens, scores
 
     def _nar_generate(
-        self, text, text_lens, prompt, prompt_lens, gen0, gen_lens, langs=None
+        self, text, text_lens, prompt, prompt_lens, gen0, gen_lens, langs=None, code_vectors=None
     ) -> torch.Tensor:
-        """Greedy NAR over codebooks 1..Q-1 after the AR (or ground-truth) codebook 0."""
+        """Greedy NAR over codebooks 1..Q-1 after the AR (or ground-truth) codebook 0: the most
+        likely code, or with ``code_vectors`` the code nearest the expected vector."""
         q, bsz = self.num_quantizers, gen0.shape[0]
+        if code_vectors is not None and len(code_vectors) < q:
+            raise ValueError(f"code_vectors has {len(code_vectors)} codebooks, the model {q}")
         gen = gen0.new_full((bsz, gen0.shape[1], q), NUM_AUDIO_TOKENS)
         gen[..., 0] = gen0
         if q == 1 or gen0.shape[1] == 0:
@@ -856,7 +868,11 @@ class _VALLEBase(nn.Module):
             h = self._nar_hidden(
                 text, text_valid, packed, prompt_lens, audio_valid, stage, prompt_full, langs
             )
-            pred = self._nar_head(h, stage).argmax(-1)
+            logits = self._nar_head(h, stage)
+            if code_vectors is None:
+                pred = logits.argmax(-1)
+            else:
+                pred = nearest_to_expectation(logits, code_vectors[j])
             packed[..., j] = torch.where(is_gen, pred, packed[..., j])
         g_max = gen.shape[1]
         idx = (prompt_lens[:, None] + torch.arange(g_max, device=packed.device)).clamp(
