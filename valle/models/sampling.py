@@ -53,10 +53,10 @@ def nearest_to_expectation(logits: torch.Tensor, vectors: torch.Tensor) -> torch
     ``logits`` (..., V) over codes, ``vectors`` (K, D): code k's vector in the space where the
     codec sums its codebooks (EnCodec's latent, mel-rvq's standardised log-mel), K <= V codes
     in use. Among single codes this is the minimum-mean-squared-error choice: it minimises
-    E||v_c - v_true||^2 = ||v_c - E[v]||^2 + const. Where the model is sure it picks the
-    argmax; where it is unsure between distant codes it picks a code near their mean (for a
-    residual codebook, one near zero: little added) instead of committing to one of them,
-    which costs more than it gains when the guess is wrong.
+    E||v_c - v_true||^2 = ||v_c - E[v]||^2 + const. When one code holds nearly all the mass
+    that code is chosen, as by argmax; when the model is unsure between distant codes it
+    picks a code near their mean (for a residual codebook, one near zero: little added)
+    instead of committing to one of them, which costs more than it gains when wrong.
     """
     k = vectors.shape[0]
     probs = torch.softmax(logits[..., :k].float(), dim=-1)
