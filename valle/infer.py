@@ -530,7 +530,7 @@ def decode_options(args: argparse.Namespace) -> dict[str, Any]:
                 max_len_ratio=args.max_len_ratio, min_len_ratio=args.min_len_ratio, seed=args.seed,
                 stop_rule=args.stop_rule.replace("-", "_"), num_candidates=args.num_candidates,
                 repetition_aware=args.repetition_aware, ras_window=args.ras_window,
-                ras_threshold=args.ras_threshold, nar_decoding=args.nar_decoding)  # fmt: skip
+                ras_threshold=args.ras_threshold)  # fmt: skip
 
 
 def _units(items: list[Item], split: bool) -> list[tuple[int, Item]]:
@@ -546,7 +546,7 @@ def _units(items: list[Item], split: bool) -> list[tuple[int, Item]]:
 
 def synthesize_items(synth: Synthesizer, items: list[Item], args: argparse.Namespace) -> RunResult:
     """Decode every item in batches, write its wav, and report the items that failed."""
-    kwargs = {"nar_decoding": args.nar_decoding} if args.continual else decode_options(args)
+    kwargs = {} if args.continual else decode_options(args)
     units = _units(items, args.split_sentences and not args.continual)
     pieces: list[list[torch.Tensor | Failure]] = [[] for _ in items]
     bs = max(1, args.batch_size)
@@ -554,7 +554,9 @@ def synthesize_items(synth: Synthesizer, items: list[Item], args: argparse.Names
     for start in range(0, len(units), bs):
         batch = units[start : start + bs]
         for (i, _), result in zip(batch, synth.synthesize([u for _, u in batch],
-                                                          continual=args.continual, **kwargs)):  # fmt: skip
+                                                          continual=args.continual,
+                                                          nar_decoding=args.nar_decoding,
+                                                          **kwargs)):  # fmt: skip
             pieces[i].append(result)
         done = min(start + bs, len(units))
         if len(units) > bs:
