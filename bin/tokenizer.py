@@ -18,6 +18,7 @@ jobs into the same --output-dir.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -118,6 +119,50 @@ def manifest_paths(args, part: str) -> tuple[Path, Path]:
             src / f"{args.prefix}_supervisions_{part}.{args.suffix}")
 
 
+def sources_path(args, part: str) -> Path:
+    """Where a part records which manifests it was tokenized from."""
+    return args.output_dir / f"{args.prefix}_sources_{part}.json"
+
+
+def manifests_fingerprint(args, part: str) -> dict[str, str]:
+    """sha256 of each source manifest's content (decompressed: gzip headers carry a time)."""
+    import gzip
+    import hashlib
+    import zlib
+
+    from valle.data.manifests import ManifestError
+
+    out = {}
+    for path in manifest_paths(args, part):
+        opener = gzip.open if path.name.endswith(".gz") else open
+        digest = hashlib.sha256()
+        try:
+            with opener(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+        except (EOFError, OSError, zlib.error) as e:
+            raise ManifestError(f"{path}: truncated or corrupt ({type(e).__name__}: {e}); "
+                                "re-create the manifest") from None
+        out[path.name] = digest.hexdigest()
+    return out
+
+
+def check_sources(args, part: str, what: str) -> None:
+    """A part's outputs (finished cuts, or chunks to resume) must come from the manifests there
+    now: a corpus re-made with other audio or text would otherwise train on stale tokens."""
+    from valle.data.manifests import ManifestError
+
+    record = sources_path(args, part)
+    if not record.is_file():
+        return  # tokenized before sources were recorded: nothing to compare
+    if json.loads(record.read_text(encoding="utf-8")) != manifests_fingerprint(args, part):
+        raise ManifestError(
+            f"part {part!r}: {what} in {args.output_dir} came from other manifests than "
+            f"{args.src_dir} holds now (the corpus changed since it was tokenized): delete "
+            f"{args.output_dir}/{args.prefix}_*_{part}* (and .{args.prefix}_chunks_{part} if there) "
+            f"to tokenize the part again; for the mel-rvq codec also mel_rvq.pt, to refit it")
+
+
 def run(args) -> int:
     import torch
 
@@ -136,12 +181,16 @@ def run(args) -> int:
     fixed_table = SymbolTable.from_file(args.text_tokens) if args.text_tokens else None
     todo = []
     for part in parts:
-        if (args.output_dir / f"{args.prefix}_cuts_{part}.{args.suffix}").is_file():
+        done = (args.output_dir / f"{args.prefix}_cuts_{part}.{args.suffix}").is_file()
+        for path in manifest_paths(args, part):
+            if not path.is_file() and not done:
+                raise ManifestError(f"part {part!r}: missing manifest {path} (check --src-dir/--prefix/--suffix)")
+        resuming = (args.output_dir / f".{args.prefix}_chunks_{part}").is_dir()
+        if (done or resuming) and all(path.is_file() for path in manifest_paths(args, part)):
+            check_sources(args, part, "its cuts" if done else "its finished chunks")
+        if done:
             logger.info("part %s: its cuts file exists, skipping (delete it to redo)", part)
             continue
-        for path in manifest_paths(args, part):
-            if not path.is_file():
-                raise ManifestError(f"part {part!r}: missing manifest {path} (check --src-dir/--prefix/--suffix)")
         todo.append(part)
     device = resolve_device(args.device)
     if args.codec != "encodec":  # the codec factory (valle.codec); EnCodec keeps its own path below
@@ -180,6 +229,8 @@ def run(args) -> int:
         rec_path, sup_path = manifest_paths(args, part)
         load_report = V.ValidationReport()
         cuts = load_cuts(rec_path, sup_path, load_report)
+        sources_path(args, part).write_text(json.dumps(manifests_fingerprint(args, part), indent=1) + "\n",
+                                            encoding="utf-8")
         logger.info("part %s: %d cuts (one per supervision) from %s; %d manifest problems",
                     part, len(cuts), rec_path.parent, len(load_report))
         report, stats = runner.run(part, cuts, load_report)

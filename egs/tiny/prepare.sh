@@ -3,6 +3,7 @@
 #   egs/tiny/prepare.sh [--stage 0] [--stop-stage 3] [--python python] [--data-dir data/tiny]
 #                       [--layout split|heldout] [--codec encodec|mel-rvq|auto] [--generated 0]
 #                       [--judge-epochs 30] [--judge-limit N] [--first-codebook-size 1024]
+#                       [--train-voices 4]
 # --layout split (default): 4 voices, every part split per speaker (the tests' corpus).
 # --layout heldout: dev/test sentences never trained on, and test in 2 voices never trained on
 #   (egs/tiny/local/heldout_corpus.py); stage 3 then trains the phoneme judge (valle/eval/judge.py)
@@ -26,9 +27,10 @@ judge_epochs=30
 judge_limit=""
 voices_per_sentence=1
 generated=0
+train_voices=4  # heldout layout: eSpeak voices of the training part (up to 12)
 first_codebook_size=1024
 
-options="stage stop_stage python data_dir num_jobs encodec_checkpoint limit layout codec judge_epochs judge_limit voices_per_sentence generated first_codebook_size"
+options="stage stop_stage python data_dir num_jobs encodec_checkpoint limit layout codec judge_epochs judge_limit voices_per_sentence generated first_codebook_size train_voices"
 . "$(dirname "${BASH_SOURCE[0]}")/../parse_options.sh"
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -46,7 +48,7 @@ if [ "$stage" -le 0 ] && [ "$stop_stage" -ge 0 ]; then
   log 0 "synthesise the corpus with eSpeak NG ($layout layout) -> $data_dir/corpus"
   if [ "$layout" = heldout ]; then
     "$python" "$here/local/heldout_corpus.py" synth --sentences "$here/sentences.txt" \
-      --out-dir "$data_dir/corpus" --voices-per-sentence "$voices_per_sentence" --generated "$generated" \
+      --out-dir "$data_dir/corpus" --voices-per-sentence "$voices_per_sentence" --generated "$generated" --train-voices "$train_voices" \
       ${limit:+--limit "$limit"}
   else
     "$python" -m valle.data.tiny synth --sentences "$here/sentences.txt" --out-dir "$data_dir/corpus" \
@@ -65,6 +67,15 @@ if [ "$stage" -le 1 ] && [ "$stop_stage" -ge 1 ]; then
 fi
 
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
+  # Tokens from before bin/tokenizer.py recorded its sources cannot be checked by it: a corpus
+  # re-made after them (another plan) would be trained on stale tokens. Say so and stop.
+  cuts=$data_dir/tokenized/tiny_cuts_train.jsonl.gz
+  if [ -f "$cuts" ] && [ ! -f "$data_dir/tokenized/tiny_sources_train.json" ] &&
+     [ "$data_dir/corpus/plan.tsv" -nt "$cuts" ]; then
+    echo "$0: $data_dir/corpus was synthesised again after $data_dir/tokenized was made" \
+      "(another plan: --generated, --train-voices, --limit?): delete $data_dir/tokenized and rerun" >&2
+    exit 1
+  fi
   if [ "$codec" = mel-rvq ]; then
     if [ ! -f "$data_dir/tokenized/mel_rvq.pt" ]; then
       train_part=train; [ "$layout" = heldout ] || train_part=all

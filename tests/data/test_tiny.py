@@ -1,5 +1,6 @@
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,76 @@ def test_tiny_corpus_manifests(tiny_data):
         assert all(c.supervisions[0].language == "en-us" for c in cuts)
         assert all(0.5 < c.duration < 4.0 for c in cuts)
     assert (tiny_data / "unique_text_tokens.k2symbols").is_file()
+
+
+def test_heldout_plan_keeps_test_voices_and_sentences_out_of_training():
+    """egs/tiny/local/heldout_corpus.py: --train-voices N spreads the training part over N eSpeak
+    voices; the held-out voices and the dev/test sentences never reach it."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "egs/tiny/local"))
+    try:
+        import heldout_corpus as hc
+    finally:
+        sys.path.pop(0)
+    sentences = read_sentences(ROOT / "egs/tiny/sentences.txt")
+    held_out = {v.speaker for v in hc.HELD_OUT_VOICES}
+    for n in (4, 12):
+        rows = hc.plan(sentences, 16, 16, 1, 0, generated=200, train_voices=n)
+        train = [r for r in rows if r[1] == "train"]
+        assert len(train) == len(sentences) - 32 + 200
+        assert {r[2].speaker for r in train} == {v.speaker for v in hc.training_voices(n)}
+        assert len({r[2].speaker for r in train}) == n and not held_out & {r[2].speaker for r in train}
+        test = [r for r in rows if r[1] == "test"]
+        assert {r[2].speaker for r in test} == held_out
+        assert not {r[3] for r in test} & {r[3] for r in train}
+    assert len({v.name for v in hc.training_voices(12)} | {v.name for v in hc.HELD_OUT_VOICES}) == 14
+    with pytest.raises(ValueError, match="--train-voices"):
+        hc.training_voices(13)
+
+
+def test_heldout_corpus_is_kept_when_its_plan_is_unchanged(tmp_path):
+    """A rerun of the held-out synthesis keeps a corpus made from the same plan (eSpeak would give
+    other samples: its oscillator state carries over between utterances) and re-makes it when the
+    plan changed."""
+    script = ROOT / "egs/tiny/local/heldout_corpus.py"
+    out = tmp_path / "corpus"
+
+    def synth(*extra):
+        return subprocess.run([sys.executable, str(script), "synth", "--sentences", str(ROOT / "egs/tiny/sentences.txt"),
+                               "--out-dir", str(out), "--num-dev", "2", "--num-test", "2", "--limit", "3", *extra],
+                              capture_output=True, text=True, timeout=120, check=True)
+
+    synth()
+    wavs = sorted(out.glob("wavs/*/*.wav"))
+    assert len(wavs) == 3 + 2 + 2 * 2 and (out / "plan.tsv").is_file()
+    stamps = [w.stat().st_mtime_ns for w in wavs]
+    assert "from this plan" in synth().stderr
+    assert [w.stat().st_mtime_ns for w in wavs] == stamps
+    again = synth("--generated", "2")
+    assert "from this plan" not in again.stderr
+    assert len((out / "metadata.tsv").read_text().splitlines()) == 3 + 2 + 2 + 2 * 2
+    assert [w.stat().st_mtime_ns for w in wavs] != stamps
+
+
+def test_prepare_stops_on_tokens_older_than_a_remade_corpus(tmp_path):
+    """Tokens made before bin/tokenizer.py recorded its sources, then the corpus synthesised again
+    from another plan: egs/tiny/prepare.sh stops with a line saying what to delete."""
+    import os
+    import time
+
+    cuts = tmp_path / "tokenized" / "tiny_cuts_train.jsonl.gz"
+    cuts.parent.mkdir()
+    cuts.write_bytes(b"")
+    plan = tmp_path / "corpus" / "plan.tsv"
+    plan.parent.mkdir()
+    plan.write_text("x\n")
+    now = time.time()
+    os.utime(cuts, (now - 60, now - 60))
+    run = subprocess.run(["bash", str(ROOT / "egs/tiny/prepare.sh"), "--stage", "2", "--stop-stage", "2",
+                          "--data-dir", str(tmp_path), "--layout", "heldout", "--codec", "mel-rvq",
+                          "--python", sys.executable], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and f"delete {tmp_path}/tokenized" in run.stderr
 
 
 def test_recipes_parse():

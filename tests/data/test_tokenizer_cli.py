@@ -86,3 +86,48 @@ def test_text_rate_rule_catches_text_the_audio_cannot_carry():
     ph = TextTokenizer().phonemize_one(text)
     assert check_text_symbols(text, "en-us", ph.symbols, ph.language_switches, 0.5)[0] == TEXT_TOO_LONG
     assert check_text_symbols(text, "en-us", ph.symbols, ph.language_switches, 5.0) is None
+
+
+def test_a_part_tokenized_from_other_manifests_is_refused_not_reused(tmp_path, tokenizer_cli, capsys):
+    """A finished part is skipped on a rerun only while its source manifests are unchanged: a
+    corpus re-made with other audio or text gets a one-line error naming the part and what to
+    delete, not a silent training run on the old tokens."""
+    man = tmp_path / "manifests"
+    man.mkdir()
+    synth = EspeakSynth.get()
+    recs, sups = [], []
+    for i, text in enumerate(["The cat sat on the mat.", "Rain fell on the roof."]):
+        path = tmp_path / f"u{i}.wav"
+        sf.write(path, synth.synthesize(text, VOICES[0]), synth.sample_rate, subtype="PCM_16")
+        rec = Recording.from_file(path, recording_id=f"u{i}")
+        recs.append(rec)
+        sups.append(SupervisionSegment(id=f"u{i}", recording_id=f"u{i}", start=0.0, duration=rec.duration,
+                                       channel=0, text=text, speaker="s1", language="en-us"))
+    RecordingSet.from_recordings(recs).to_file(man / "c_recordings_train.jsonl.gz")
+    SupervisionSet.from_segments(sups).to_file(man / "c_supervisions_train.jsonl.gz")
+    out = tmp_path / "tokenized"
+    argv = ["--src-dir", str(man), "--output-dir", str(out), "--prefix", "c", "--dataset-parts", "train",
+            "--allow-random-encodec"]
+    assert tokenizer_cli.main(argv) == 0
+    assert (out / "c_sources_train.json").is_file()
+    # the same manifests written again (gzip stamps another time): still the same part, skipped
+    RecordingSet.from_recordings(recs).to_file(man / "c_recordings_train.jsonl.gz")
+    before = (out / "c_cuts_train.jsonl.gz").stat().st_mtime_ns
+    assert tokenizer_cli.main(argv) == 0
+    assert (out / "c_cuts_train.jsonl.gz").stat().st_mtime_ns == before
+    # the corpus changed (one more sentence's text differs): refused, naming the part and the fix
+    sups[1] = SupervisionSegment(id="u1", recording_id="u1", start=0.0, duration=recs[1].duration,
+                                 channel=0, text="Snow fell on the roof.", speaker="s1", language="en-us")
+    SupervisionSet.from_segments(sups).to_file(man / "c_supervisions_train.jsonl.gz")
+    capsys.readouterr()
+    assert tokenizer_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "part 'train'" in err and "corpus changed" in err and "c_*_train*" in err
+    assert (out / "c_cuts_train.jsonl.gz").stat().st_mtime_ns == before
+    import shutil  # what the message says to delete
+
+    for path in out.glob("c_*_train*"):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    assert tokenizer_cli.main(argv) == 0
+    assert [c.supervisions[0].text for c in CutSet.from_file(out / "c_cuts_train.jsonl.gz")][1] == \
+        "Snow fell on the roof."
