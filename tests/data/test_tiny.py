@@ -48,8 +48,6 @@ def test_tiny_corpus_manifests(tiny_data):
 def test_heldout_plan_keeps_test_voices_and_sentences_out_of_training():
     """egs/tiny/local/heldout_corpus.py: --train-voices N spreads the training part over N eSpeak
     voices; the held-out voices and the dev/test sentences never reach it."""
-    import sys
-
     sys.path.insert(0, str(ROOT / "egs/tiny/local"))
     try:
         import heldout_corpus as hc

@@ -1,5 +1,7 @@
 """bin/tokenizer.py on a manifest with bad items: completes, reports each, tokenizes the rest."""
 
+import shutil
+
 import numpy as np
 import soundfile as sf
 from lhotse import AudioSource, CutSet, Recording, RecordingSet, SupervisionSegment, SupervisionSet
@@ -124,9 +126,7 @@ def test_a_part_tokenized_from_other_manifests_is_refused_not_reused(tmp_path, t
     err = capsys.readouterr().err
     assert "part 'train'" in err and "corpus changed" in err and "c_*_train*" in err
     assert (out / "c_cuts_train.jsonl.gz").stat().st_mtime_ns == before
-    import shutil  # what the message says to delete
-
-    for path in out.glob("c_*_train*"):
+    for path in out.glob("c_*_train*"):  # what the message says to delete
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     assert tokenizer_cli.main(argv) == 0
     assert [c.supervisions[0].text for c in CutSet.from_file(out / "c_cuts_train.jsonl.gz")][1] == \
