@@ -115,6 +115,29 @@ def test_best_of_n_keeps_the_most_likely_candidate():
     torch.testing.assert_close(scores[best], picked.mean(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("all_capped", [False, True])
+def test_best_of_n_passes_over_a_candidate_that_ran_to_the_cap(all_capped):
+    """A looping candidate that never emits EOS can be the most likely per frame; it is kept
+    only when every candidate of its row ran to the length cap (then the most likely of them)."""
+    model, b = tiny_model("valle", 1).eval(), make_batch()
+    prompt, plens = _prompt(b)
+    text, tlens = b["text_tokens"][:1, :7], torch.tensor([7])
+    cap = 14  # 2 x 7 text tokens
+    lens = torch.tensor([cap, cap, 5, 4]) if not all_capped else torch.tensor([cap, cap, cap, cap])
+    scores = torch.tensor([-0.1, -0.3, -2.0, -3.0])  # the capped ones are the most likely
+    gen = torch.stack([torch.full((cap,), 10 + i) for i in range(4)])
+
+    def fixed_candidates(*args, **kwargs):
+        return gen, lens, scores
+
+    model._ar_generate = fixed_candidates
+    codes, out_lens = model.inference(text, tlens, prompt[:1, :6], plens[:1], num_candidates=4,
+                                      max_len_ratio=2.0, return_lens=True)  # fmt: skip
+    expected = 0 if all_capped else 2
+    assert int(out_lens[0]) == int(lens[expected])
+    assert bool((codes[0, : int(lens[expected]), 0] == 10 + expected).all())
+
+
 def test_repetition_aware_sampling_breaks_loops():
     # A tied random AR head mostly repeats its input token: greedy decoding loops.
     model, b = tiny_model("valle", 1, tie_ar_head=True).eval(), make_batch()

@@ -39,6 +39,9 @@ NAR_HEAD_TIES = ("lifeiteng", "same")
 POSITION_LAYOUTS = ("interleaved", "concatenated")
 NAR_POSITION_SCALES = ("fixed", "learned")
 STOP_RULES = ("argmax_or_sampled", "sampled")
+# Best-of-N: subtracted from the mean log-likelihood of a candidate that ran to the length cap,
+# so that it ranks below every candidate that stopped (log-likelihoods per frame are far smaller).
+CAPPED_CANDIDATE_PENALTY = 1e4
 
 
 def _lengths_to_valid(lens: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -602,7 +605,8 @@ class _VALLEBase(nn.Module):
         * ``stop_rule``: ``argmax_or_sampled`` (lifeiteng) stops a row when EOS is the most
           likely token or is sampled; ``sampled`` only when it is sampled.
         * ``num_candidates`` N > 1: N AR samples per row, keep the one with the highest
-          mean log-likelihood per frame under the model (EOS included when it stopped).
+          mean log-likelihood per frame under the model (EOS included when it stopped); a
+          candidate that ran to the length cap only when all of its row's did.
         * ``repetition_aware``: VALL-E 2's repetition-aware sampling: a token that already
           fills more than ``ras_threshold`` of the last ``ras_window`` generated tokens is
           redrawn from the full (temperature-scaled, unfiltered) distribution.
@@ -648,6 +652,11 @@ class _VALLEBase(nn.Module):
             ras_threshold=ras_threshold, langs=None if langs is None else rep(langs),
         )  # fmt: skip
         if n > 1:
+            # A candidate that never emitted EOS ran to the length cap, often looping on a few
+            # codes the model finds likely: it wins only when every candidate of its row did.
+            caps = torch.floor(rep(text_tokens_lens).to(device).double() * max_len_ratio).long()
+            ran_to_cap = (gen_lens >= caps) & (force_len is None)
+            scores = torch.where(ran_to_cap, scores - CAPPED_CANDIDATE_PENALTY, scores)
             scores = scores.masked_fill(gen_lens == 0, float("-inf")).view(bsz, n)
             pick = torch.arange(bsz, device=device) * n + scores.argmax(dim=1)
             gen0, gen_lens = gen0[pick], gen_lens[pick]
