@@ -12,7 +12,11 @@
 #
 # Needs egs/tiny/$DATA (default data/gen10k/tokenized: `egs/tiny/run.sh --stop-stage 0
 # --generated 10000 --data data/gen10k/tokenized`). Where lhotse is missing it installs the wheels
-# under .whl/ (docs/benchmarks.md says which); where that fails it runs `make gpu-check` instead.
+# under .whl/ (git-ignored; where pip works: `python3 -m pip download --no-deps --only-binary=:all:
+# --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform
+# manylinux2014_x86_64 -d .whl lhotse==1.33.0 cytoolz==1.2.0 intervaltree==3.2.1 soundfile==0.14.0
+# cffi pycparser audioread==3.1.0`; the device tool carries it with `carry: [".whl", DATA]`);
+# where that fails it runs `make gpu-check` instead.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out/gpu-quality}
