@@ -150,7 +150,7 @@ def bench_decode(
         torch.set_num_threads(1)
         cached_1t = _time(ar(True), device, repeats, warmup=1)
         torch.set_num_threads(threads)
-        gen, lens, _scores = ar(True)()
+        gen, lens, _scores, _ended = ar(True)()
         nar = _time(
             lambda: model._nar_generate(text, text_lens, prompt, prompt_lens, gen, lens),
             device,

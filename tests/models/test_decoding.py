@@ -93,7 +93,7 @@ def test_best_of_n_keeps_the_most_likely_candidate():
     n, common = 4, dict(top_k=50, temperature=1.5, max_len_ratio=2.0, seed=3)
     codes, lens = model.inference(text, tlens, p0, pl, num_candidates=n, return_lens=True, **common)
     rep = lambda t: t.repeat_interleave(n, dim=0)  # noqa: E731
-    gen, glens, scores = model._ar_generate(
+    gen, glens, scores, _ = model._ar_generate(
         rep(text), rep(tlens), rep(p0[..., 0]), rep(pl), use_kv_cache=True, force_len=None,
         want_scores=True, top_p=1.0, **common,
     )  # fmt: skip
@@ -115,6 +115,19 @@ def test_best_of_n_keeps_the_most_likely_candidate():
     torch.testing.assert_close(scores[best], picked.mean(), rtol=1e-4, atol=1e-4)
 
 
+def test_ar_generate_says_which_rows_ended_on_eos():
+    """EOS is the argmax everywhere: rows stop on EOS at once; held back (a fixed length),
+    they end without it."""
+    model, b = _eos_likely_model(), make_batch()
+    prompt, plens = _prompt(b)
+    args = (b["text_tokens"], b["text_tokens_lens"], prompt[..., 0], plens)
+    common = dict(top_k=-100, top_p=1.0, temperature=1.0, max_len_ratio=4, use_kv_cache=True, seed=0)
+    _, lens, _, ended_on_eos = model._ar_generate(*args, force_len=None, **common)
+    assert lens.tolist() == [0, 0, 0, 0] and ended_on_eos.all()
+    _, lens, _, ended_on_eos = model._ar_generate(*args, force_len=5, **common)
+    assert lens.tolist() == [5, 5, 5, 5] and not ended_on_eos.any()
+
+
 @pytest.mark.parametrize("all_capped", [False, True])
 def test_best_of_n_passes_over_a_candidate_that_ran_to_the_cap(all_capped):
     """A looping candidate that never emits EOS can be the most likely per frame; it is kept
@@ -124,11 +137,12 @@ def test_best_of_n_passes_over_a_candidate_that_ran_to_the_cap(all_capped):
     text, tlens = b["text_tokens"][:1, :7], torch.tensor([7])
     cap = 14  # 2 x 7 text tokens
     lens = torch.tensor([cap, cap, 5, 4]) if not all_capped else torch.tensor([cap, cap, cap, cap])
+    ended_on_eos = lens < cap
     scores = torch.tensor([-0.1, -0.3, -2.0, -3.0])  # the capped ones are the most likely
     gen = torch.stack([torch.full((cap,), 10 + i) for i in range(4)])
 
     def fixed_candidates(*args, **kwargs):
-        return gen, lens, scores
+        return gen, lens, scores, ended_on_eos
 
     model._ar_generate = fixed_candidates
     codes, out_lens = model.inference(text, tlens, prompt[:1, :6], plens[:1], num_candidates=4,

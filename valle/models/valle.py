@@ -643,7 +643,7 @@ class _VALLEBase(nn.Module):
             if prompt_text_lens is not None:
                 to_say = to_say - prompt_text_lens.to(device=device, dtype=torch.long)
             min_lens = rep(torch.floor(to_say.clamp(min=0).double() * min_len_ratio).long())
-        gen0, gen_lens, scores = self._ar_generate(
+        gen0, gen_lens, scores, ended_on_eos = self._ar_generate(
             rep(text_tokens), rep(text_tokens_lens), rep(prompt_codes[..., 0]), rep(prompt_lens),
             top_k=top_k, top_p=top_p, temperature=temperature, max_len_ratio=max_len_ratio,
             min_lens=min_lens,
@@ -654,9 +654,7 @@ class _VALLEBase(nn.Module):
         if n > 1:
             # A candidate that never emitted EOS ran to the length cap, often looping on a few
             # codes the model finds likely: it wins only when every candidate of its row did.
-            caps = torch.floor(rep(text_tokens_lens).to(device).double() * max_len_ratio).long()
-            ran_to_cap = (gen_lens >= caps) & (force_len is None)
-            scores = torch.where(ran_to_cap, scores - CAPPED_CANDIDATE_PENALTY, scores)
+            scores = torch.where(ended_on_eos, scores, scores - CAPPED_CANDIDATE_PENALTY)
             scores = scores.masked_fill(gen_lens == 0, float("-inf")).view(bsz, n)
             pick = torch.arange(bsz, device=device) * n + scores.argmax(dim=1)
             gen0, gen_lens = gen0[pick], gen_lens[pick]
@@ -739,8 +737,9 @@ class _VALLEBase(nn.Module):
         max_len_ratio, use_kv_cache, seed, force_len, stop_rule="argmax_or_sampled",
         want_scores=False, repetition_aware=False, ras_window=10, ras_threshold=0.1, langs=None,
         min_lens=None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """Codebook 0 per row after its prompt: (codes (B, T), lengths (B,), scores or None).
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:  # fmt: skip
+        """Codebook 0 per row after its prompt: (codes (B, T), lengths (B,), scores or None,
+        ended on EOS (B,): False where the row ran to its length cap).
 
         A row whose first token is EOS gets length 0. Every step is one batched model
         call and tensor ops: no Python loop over rows or tokens inside a step.
@@ -794,6 +793,7 @@ class _VALLEBase(nn.Module):
         out: list[torch.Tensor] = []
         done = torch.zeros(bsz, dtype=torch.bool, device=device)
         lens = torch.zeros(bsz, dtype=torch.long, device=device)
+        ended_on_eos = torch.zeros(bsz, dtype=torch.bool, device=device)
         score = torch.zeros(bsz, dtype=torch.float32, device=device)
         counted = torch.zeros(bsz, dtype=torch.float32, device=device)
         history = torch.full((bsz, max(1, ras_window)), -1, dtype=torch.long, device=device)
@@ -826,6 +826,7 @@ class _VALLEBase(nn.Module):
                 score = score + torch.where(counts, picked, torch.zeros_like(picked))
                 counted = counted + counts.float()
             lens = torch.where(stop & ~done, torch.full_like(lens, i), lens)
+            ended_on_eos = ended_on_eos | (is_eos & ~done)
             done = done | stop
             tok = tok.masked_fill(done, eos)
             out.append(tok)
@@ -850,7 +851,7 @@ class _VALLEBase(nn.Module):
         lens = torch.where(done, lens, torch.full_like(lens, len(out)))
         gen = torch.stack(out, dim=1)[:, : int(lens.max())]
         scores = score / counted.clamp(min=1) if want_scores else None
-        return gen, lens, scores
+        return gen, lens, scores, ended_on_eos
 
     def _nar_generate(
         self, text, text_lens, prompt, prompt_lens, gen0, gen_lens, langs=None, code_vectors=None
