@@ -12,6 +12,7 @@ from models_testlib import make_batch, run, tiny_model
 
 from valle.models import TRAINING_HPARAMS, get_model
 from valle.models.convert import ours_hparams
+from valle.models.transformer import AttentionProbe, prefix_causal_mask
 from valle.models.valle import GuidedAttention, _lengths_to_valid
 
 
@@ -59,8 +60,9 @@ def test_probing_the_attention_leaves_the_forward_unchanged(name):
     x = model._ar_embed_text(batch["text_tokens"], text_valid)
     y = model._ar_embed_audio(audio, pos)
     plain = model._ar_core(x, text_valid, y, audio_valid)
-    scores: list[torch.Tensor] = []
-    probed = model._ar_core(x, text_valid, y, audio_valid, scores_out=scores, probe_last=2)
+    probe = AttentionProbe()
+    probed = model._ar_core(x, text_valid, y, audio_valid, probe=probe, probe_last=2)
+    scores = probe.scores
     torch.testing.assert_close(probed, plain, rtol=1e-5, atol=1e-5)
     assert len(scores) == 2
     b, t, s = audio.shape[0], audio.shape[1], x.shape[1]
@@ -70,6 +72,48 @@ def test_probing_the_attention_leaves_the_forward_unchanged(name):
         pad = ~text_valid[:, None, None, :].expand_as(sc)
         assert torch.isinf(sc[pad]).all() and torch.isfinite(sc[~pad]).all()
         torch.testing.assert_close(sc.softmax(-1).sum(-1), torch.ones(b, 4, t))
+
+
+def test_the_guided_heads_probe_is_the_text_block_of_the_full_attention():
+    """The loss probes only the guided heads' audio-to-text block; it must be that block of
+    the full scores, with the same gradient into the weights."""
+    model = tiny_model("valle", guided_attention_weight=1.0, guided_attention_heads=2).train()
+    batch = make_batch()
+    text, text_lens = batch["text_tokens"], batch["text_tokens_lens"]
+    text_valid = _valid(text_lens.tolist(), text.shape[1])
+    audio = batch["audio_features"][..., 0].clamp(max=1023)
+    audio_valid = _valid(batch["audio_features_lens"].tolist(), audio.shape[1])
+    guided = model.guided
+
+    def penalty(full: bool) -> torch.Tensor:
+        model.zero_grad()
+        x = model._ar_embed_text(text, text_valid)
+        y = model._ar_embed_audio(audio, torch.arange(audio.shape[1]))
+        s = x.shape[1]
+        if full:  # every head, every row and column, sliced afterwards
+            probe = AttentionProbe()
+            mask = prefix_causal_mask(torch.cat([text_valid, audio_valid], dim=1), s)
+            model.ar_decoder(torch.cat([x, y], 1), mask, probe=probe, probe_last=guided.layers)
+            scores = [sc[:, :2, s:, :s] for sc in probe.scores]
+        else:
+            probe = AttentionProbe(heads=guided.heads)
+            model._ar_core(x, text_valid, y, audio_valid, probe=probe, probe_last=guided.layers)
+            scores = probe.scores
+            assert [sc.shape[1] for sc in scores] == [2, 2]  # only the guided heads computed
+        value = guided.loss(scores, text_valid, audio_valid)
+        value.backward()
+        # None where the penalty does not reach (the last layer's feed-forward).
+        return value.detach(), [p.grad for p in model.ar_decoder.parameters()]
+
+    full_value, full_grads = penalty(full=True)
+    block_value, block_grads = penalty(full=False)
+    assert full_value > 0
+    torch.testing.assert_close(block_value, full_value)
+    assert sum(g is not None for g in full_grads) > len(full_grads) // 2
+    for a, b in zip(block_grads, full_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["valle", "vallf"])

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from valle.models.transformer import prefix_causal_mask
+from valle.models.transformer import AttentionProbe, prefix_causal_mask
 from valle.models.valle import GuidedAttention, _lengths_to_valid
 
 
@@ -45,16 +45,16 @@ def _text_attention(model, text, text_valid, codes0, audio_valid, langs=None):
     x = model._ar_embed_text(text, text_valid, langs)
     y = model._ar_embed_audio(codes0, torch.arange(codes0.shape[1], device=codes0.device))
     layers = len(model.ar_decoder.layers)
-    scores: list[torch.Tensor] = []
     if model.cross_attention:  # VALL-F: the cross-attention sees only the text
-        model._ar_core(x, text_valid, y, audio_valid, scores_out=scores, probe_last=layers)
-        return [(s.softmax(-1), torch.ones(s.shape[:-1], device=s.device)) for s in scores]
+        probe = AttentionProbe()
+        model._ar_core(x, text_valid, y, audio_valid, probe=probe, probe_last=layers)
+        return [(s.softmax(-1), torch.ones(s.shape[:-1], device=s.device)) for s in probe.scores]
     s_len = x.shape[1]
     mask = prefix_causal_mask(torch.cat([text_valid, audio_valid], dim=1), s_len)
-    model.ar_decoder(torch.cat([x, y], dim=1), mask, scores_out=scores, probe_last=layers)
+    probe = AttentionProbe(queries=slice(s_len, None))  # audio queries over every key
+    model.ar_decoder(torch.cat([x, y], dim=1), mask, probe=probe, probe_last=layers)
     out = []
-    for full in scores:
-        audio_rows = full[:, :, s_len:]  # audio queries over every key
+    for audio_rows in probe.scores:
         mass = audio_rows.softmax(-1)[..., :s_len].sum(-1)
         out.append((audio_rows[..., :s_len].softmax(-1), mass))
     return out

@@ -7,6 +7,8 @@ batch by the model and shared by every layer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,6 +49,35 @@ class LayerCache:
         self.memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+@dataclass
+class AttentionProbe:
+    """Which attention scores probed layers record; the attention itself stays on SDPA.
+
+    Each probed layer appends the scaled scores (float32, masked keys at -inf) of its first
+    ``heads`` heads (all when None), query rows ``queries`` and key columns ``keys`` to
+    ``scores``. Only that block is computed: the guided-attention loss needs audio queries
+    over text keys of two heads, a small fraction of the full (B, H, L, L) matrix that the
+    attention would otherwise have to materialise (and keep for backward) in every probed
+    layer (docs/training.md, "Guided attention").
+    """
+
+    heads: int | None = None
+    queries: slice = field(default_factory=lambda: slice(None))
+    keys: slice = field(default_factory=lambda: slice(None))
+    scores: list[torch.Tensor] = field(default_factory=list)
+
+    def record(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """q (B, H, N, Dh), k (B, H, K, Dh); mask broadcastable to (B, H, N, K)."""
+        h = slice(None, self.heads)
+        scores = q[:, h, self.queries] @ k[:, h, self.keys].transpose(-2, -1)
+        scores = scores.float() * q.shape[-1] ** -0.5
+        if mask is not None:
+            # A (B, 1, 1, K) key-padding mask has one row for every query.
+            rows = self.queries if mask.shape[-2] > 1 else slice(None)
+            scores = scores.masked_fill(~mask[..., rows, self.keys], float("-inf"))
+        self.scores.append(scores)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention; self-attention uses one fused QKV projection."""
 
@@ -80,11 +111,9 @@ class MultiHeadAttention(nn.Module):
         mask: torch.Tensor | None,
         memory: torch.Tensor | None = None,
         cache: LayerCache | None = None,
-        scores_out: list[torch.Tensor] | None = None,
+        probe: AttentionProbe | None = None,
     ) -> torch.Tensor:
-        """``scores_out``: when a list, the attention scores (B, H, N, K) are appended to it
-        (float32, scaled, masked keys at -inf) and attention is computed explicitly from them
-        rather than by SDPA (the guided-attention loss reads them)."""
+        """``probe``: records a block of this layer's attention scores (AttentionProbe)."""
         b, n, d = x.shape
         if self.cross:
             q = self._heads(self.q_proj(x), 1)[0]
@@ -101,15 +130,9 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 k, v = cache.self_attn.append(k, v)
         dropout_p = self.dropout if self.training else 0.0
-        if scores_out is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-        else:
-            scores = (q @ k.transpose(-2, -1)).float() * self.head_dim**-0.5
-            if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            scores_out.append(scores)
-            probs = scores.softmax(dim=-1)
-            out = F.dropout(probs, dropout_p, self.training).to(v.dtype) @ v
+        if probe is not None:
+            probe.record(q, k, mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         return self.out_proj(out.transpose(1, 2).reshape(b, n, d))
 
 
@@ -171,30 +194,30 @@ class TransformerLayer(nn.Module):
         memory: torch.Tensor | None = None,
         memory_mask: torch.Tensor | None = None,
         cache: LayerCache | None = None,
-        scores_out: list[torch.Tensor] | None = None,
+        probe: AttentionProbe | None = None,
     ) -> torch.Tensor:
-        """``scores_out``: when a list, the scores of the attention that sees the text (the
-        cross-attention when there is one, else the self-attention) are appended."""
+        """``probe`` records the scores of the attention that sees the text (the
+        cross-attention when there is one, else the self-attention)."""
         drop = self.dropout
-        self_scores = None if self.has_cross else scores_out
-        cross_scores = scores_out if self.has_cross else None
+        self_probe = None if self.has_cross else probe
+        cross_probe = probe if self.has_cross else None
         if self.norm_first:
             h = self._norm(self.norm1, x, cond)
-            x = x + drop(self.self_attn(h, mask, cache=cache, scores_out=self_scores))
+            x = x + drop(self.self_attn(h, mask, cache=cache, probe=self_probe))
             if self.has_cross:
                 h = self._norm(self.norm2, x, cond)
                 x = x + drop(
                     self.cross_attn(
-                        h, memory_mask, memory=memory, cache=cache, scores_out=cross_scores
+                        h, memory_mask, memory=memory, cache=cache, probe=cross_probe
                     )
                 )
             return x + drop(self._ff(self._norm(self.norm3, x, cond)))
         x = self._norm(
-            self.norm1, x + drop(self.self_attn(x, mask, cache=cache, scores_out=self_scores)), cond
+            self.norm1, x + drop(self.self_attn(x, mask, cache=cache, probe=self_probe)), cond
         )
         if self.has_cross:
             attended = self.cross_attn(
-                x, memory_mask, memory=memory, cache=cache, scores_out=cross_scores
+                x, memory_mask, memory=memory, cache=cache, probe=cross_probe
             )
             x = self._norm(self.norm2, x + drop(attended), cond)
         return self._norm(self.norm3, x + drop(self._ff(x)), cond)
@@ -234,16 +257,15 @@ class TransformerStack(nn.Module):
         memory: torch.Tensor | None = None,
         memory_mask: torch.Tensor | None = None,
         caches: list[LayerCache] | None = None,
-        scores_out: list[torch.Tensor] | None = None,
+        probe: AttentionProbe | None = None,
         probe_last: int = 0,
     ) -> torch.Tensor:
-        """``scores_out`` with ``probe_last`` = n: the text-attention scores of the last n
-        layers are appended to the list (see TransformerLayer.forward)."""
+        """``probe`` with ``probe_last`` = n: the last n layers record their text-attention
+        scores into it (see TransformerLayer.forward)."""
         first_probed = len(self.layers) - probe_last
         for i, layer in enumerate(self.layers):
-            probe = scores_out if i >= first_probed else None
             x = layer(x, mask, cond, memory, memory_mask, None if caches is None else caches[i],
-                      scores_out=probe)  # fmt: skip
+                      probe=probe if i >= first_probed else None)  # fmt: skip
         if self.final_norm is not None:
             x = self.final_norm(x, cond) if self.adaptive else self.final_norm(x)
         return x

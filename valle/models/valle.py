@@ -15,6 +15,7 @@ handled by key masks and per-row positions, never by per-row Python loops.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,7 +25,13 @@ from torch import nn
 from .embedding import AudioPrenet, SinePositionalEncoding, TextPrenet
 from .rng import randint_per_row, row_uniforms
 from .sampling import nearest_to_expectation, sample
-from .transformer import LayerCache, TransformerStack, key_padding_mask, prefix_causal_mask
+from .transformer import (
+    AttentionProbe,
+    LayerCache,
+    TransformerStack,
+    key_padding_mask,
+    prefix_causal_mask,
+)
 
 NUM_AUDIO_TOKENS = 1024  # EnCodec codebook size; also the audio pad id and the AR EOS id
 MAX_PROMPT_FRAMES = 225  # 3 s at 75 Hz: cap on the training prefix, as in VALL-E recipes
@@ -357,10 +364,11 @@ class _VALLEBase(nn.Module):
 
     # ----------------------------------------------- architecture-specific cores
     def _ar_core(
-        self, x, text_valid, y, audio_valid, caches=None, scores_out=None, probe_last=0
+        self, x, text_valid, y, audio_valid, caches=None, probe=None, probe_last=0
     ):  # pragma: no cover
-        """AR decoder output over the audio columns. ``scores_out``: a list that receives the
-        audio-to-text attention scores (B, H, T, S) of the last ``probe_last`` layers."""
+        """AR decoder output over the audio columns. ``probe`` (an AttentionProbe; its rows
+        and columns are set here) receives the audio-to-text attention scores
+        (B, probe.heads, T, S) of the last ``probe_last`` layers."""
         raise NotImplementedError
 
     def _ar_core_step(self, y, text_valid, audio_valid, caches):  # pragma: no cover
@@ -472,13 +480,11 @@ class _VALLEBase(nn.Module):
         x = self._ar_embed_text(text, text_valid, langs)
         pos = torch.arange(inputs.shape[1], device=inputs.device)
         guided = self.training and self.guided.weight > 0
-        scores: list[torch.Tensor] | None = [] if guided else None
+        probe = AttentionProbe(heads=self.guided.heads) if guided else None
         y = self._ar_embed_audio(inputs, pos)
-        h = self._ar_core(
-            x, text_valid, y, in_valid, scores_out=scores, probe_last=self.guided.layers
-        )
+        h = self._ar_core(x, text_valid, y, in_valid, probe=probe, probe_last=self.guided.layers)
         loss, correct, frames = self._loss_and_top10(self._ar_logits(h), targets)
-        penalty = self.guided.loss(scores, text_valid, in_valid) if guided else None
+        penalty = self.guided.loss(probe.scores, text_valid, in_valid) if guided else None
         return loss, correct, frames, penalty
 
     def _nar_layout(self, codes, audio_lens, sample_seeds, prompt, prompt_lens):
@@ -897,16 +903,15 @@ class VALLE(_VALLEBase):
 
     cross_attention = False
 
-    def _ar_core(self, x, text_valid, y, audio_valid, caches=None, scores_out=None, probe_last=0):
+    def _ar_core(self, x, text_valid, y, audio_valid, caches=None, probe=None, probe_last=0):
         key_valid = torch.cat([text_valid, audio_valid], dim=1)
         s = x.shape[1]
         mask = prefix_causal_mask(key_valid, s)
-        full = [] if scores_out is not None else None
+        if probe is not None:  # audio queries, text keys
+            probe = replace(probe, queries=slice(s, None), keys=slice(None, s))
         h = self.ar_decoder(
-            torch.cat([x, y], dim=1), mask, caches=caches, scores_out=full, probe_last=probe_last
+            torch.cat([x, y], dim=1), mask, caches=caches, probe=probe, probe_last=probe_last
         )
-        if scores_out is not None:
-            scores_out.extend(p[:, :, s:, :s] for p in full)  # audio queries, text keys
         return h[:, s:]
 
     def _ar_core_step(self, y, text_valid, audio_valid, caches):
@@ -925,11 +930,12 @@ class VALLF(_VALLEBase):
 
     cross_attention = True
 
-    def _ar_core(self, x, text_valid, y, audio_valid, caches=None, scores_out=None, probe_last=0):
+    def _ar_core(self, x, text_valid, y, audio_valid, caches=None, probe=None, probe_last=0):
         mask = prefix_causal_mask(audio_valid, 0)
+        # The cross-attention's queries are the audio frames and its keys the text.
         return self.ar_decoder(
             y, mask, memory=x, memory_mask=key_padding_mask(text_valid), caches=caches,
-            scores_out=scores_out, probe_last=probe_last,
+            probe=probe, probe_last=probe_last,
         )  # fmt: skip
 
     def _ar_core_step(self, y, text_valid, audio_valid, caches):
