@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from valle.codec import RECORD_FILE, codec_for_checkpoint, read_codec_record, write_codec_record
+from valle.codec import (
+    RECORD_FILE,
+    check_ar_codebook_size,
+    codec_for_checkpoint,
+    first_codebook_size,
+    read_codec_record,
+    write_codec_record,
+)
 from valle.codec.mel_rvq import STATE_FILE, FitConfig, MelRvqCodec
 
 TEXTS = [
@@ -148,3 +155,23 @@ def test_code_vectors_are_what_decoding_sums(codec, wavs):
     torch.testing.assert_close(summed * codec.std + codec.mean, codec.dequantize(codes))
     small = MelRvqCodec.fit(wavs[:6], FitConfig(iterations=2, first_codebook_size=16))
     assert [v.shape[0] for v in small.code_vectors()][:2] == [16, small.sizes[1]]
+
+
+def test_the_trainer_refuses_an_ar_head_smaller_than_codebook_0(wavs, tmp_path):
+    """--ar-codebook-size is checked against the corpus's codec before the first step."""
+    small = MelRvqCodec.fit(wavs[:6], FitConfig(iterations=2, first_codebook_size=16))
+    corpus = tmp_path / "tokenized"
+    small.save(corpus / STATE_FILE)
+    write_codec_record(corpus, small)
+    assert first_codebook_size(corpus) == 16
+    check_ar_codebook_size(16, corpus)
+    check_ar_codebook_size(1024, corpus)  # a wider head only wastes compute
+    with pytest.raises(ValueError, match=r"--ar-codebook-size 8: .* has 16 codes; use --ar-codebook-size 16"):
+        check_ar_codebook_size(8, corpus)
+    # EnCodec's codebooks have 1024 codes; a corpus without a codec record is not checked.
+    (corpus / RECORD_FILE).write_text(json.dumps({"codec": "encodec", "random_weights": False}))
+    assert first_codebook_size(corpus) == 1024
+    with pytest.raises(ValueError, match="--ar-codebook-size 128"):
+        check_ar_codebook_size(128, corpus)
+    assert first_codebook_size(tmp_path) is None
+    check_ar_codebook_size(8, tmp_path)

@@ -151,3 +151,11 @@ def test_demo_quick_runs_every_stage():
     for row in evaluation["rows"]:
         assert Path(tiny / row["row"]["out_wav"]).is_file()
     assert (tiny / "exp" / "quick" / "loss-curve.png").stat().st_size > 0
+    # The AR head is the size of the codec's codebook 0 (run.sh's --ar-codebook-size), and the
+    # synthesis above decoded from that checkpoint.
+    import torch
+
+    payload = torch.load(tiny / "exp" / "quick" / "nar" / "best-valid-loss.pt", map_location="cpu",
+                         weights_only=False)
+    assert payload["config"]["ar_codebook_size"] == 128
+    assert payload["model"]["ar_predict_layer.weight"].shape[0] == 129

@@ -90,3 +90,18 @@ def _refitted_codec_is_refused(checkpoint: Path, data: Path, items: Path, tmp_pa
     assert infer(["--checkpoint", str(checkpoint), "--device", "cpu", "--tsv", str(items), "--output-dir",
                   str(tmp_path / "refused"), "--codec-dir", str(other_dir)]) == 2
     assert not list((tmp_path / "refused").glob("*.wav"))
+
+
+@pytest.mark.timeout(300)
+def test_the_trainer_refuses_an_ar_head_smaller_than_the_corpus_codebook_0(heldout_data, tmp_path):
+    """The corpus's codebook 0 has 128 codes (--first-codebook-size 128): a 64-code AR head is
+    refused before the first step, naming the flag and the size that fits."""
+    cmd = [sys.executable, str(ROOT / "bin/trainer.py"), *MODEL, "--ar-codebook-size", "64",
+           "--manifest-dir", str(heldout_data), "--dataset", "tiny", "--max-duration", "24",
+           "--num-workers", "0", "--device", "cpu", "--exp-dir", str(tmp_path / "exp"),
+           "--max-steps", "1", "--train-stage", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    assert "--ar-codebook-size 64" in proc.stderr and "use --ar-codebook-size 128" in proc.stderr, proc.stderr[-3000:]
+    assert not list((tmp_path / "exp").glob("*.pt"))

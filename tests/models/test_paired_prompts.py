@@ -17,8 +17,8 @@ def _record_ar_logits(model) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     original = model._ar_logits
 
-    def recorder(h):
-        seen.append(original(h))
+    def recorder(h, by_id=True):
+        seen.append(original(h, by_id))
         return seen[-1]
 
     model._ar_logits = recorder

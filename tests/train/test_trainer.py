@@ -314,3 +314,10 @@ def test_start_from_a_missing_file_is_a_usage_error(tmp_path, caplog):
     with caplog.at_level(logging.ERROR):
         code = main_from_config(parse_config(argv(tmp_path / "exp", "--start-from", "nope.pt")))
     assert code == 2 and any("nope.pt" in r.getMessage() for r in caplog.records)
+
+
+def test_synthetic_data_refuses_a_small_ar_head(tmp_path):
+    """Synthetic codebook 0 spans all 1024 codes: a smaller --ar-codebook-size is a clear error."""
+    with pytest.raises(ValueError, match="--synthetic-data .* --ar-codebook-size 1024, got 128"):
+        run_local(tmp_path / "exp", "--ar-codebook-size", "128", "--max-steps", "1")
+    assert not list((tmp_path / "exp").glob("*.pt"))

@@ -120,6 +120,33 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def first_codebook_size(directory: str | os.PathLike) -> int | None:
+    """How many codes codebook 0 of the corpus in ``directory`` uses (1024 for EnCodec; a
+    mel-rvq codec's fitted ``--first-codebook-size``); None without a codec record."""
+    record = read_codec_record(directory)
+    if record is None:
+        return None
+    if record["codec"] != "mel-rvq":
+        return 1024
+    import torch
+
+    state = Path(directory) / record.get("state", "")
+    sizes = torch.load(state, map_location="cpu", weights_only=True).get("sizes") if state.is_file() else None
+    return int(sizes[0]) if sizes else 1024
+
+
+def check_ar_codebook_size(ar_codebook_size: int, directory: str | os.PathLike) -> None:
+    """Refuse a model whose AR predicts fewer codebook-0 codes than the corpus uses: its codes
+    beyond the head would be out of range (an index error deep in the first step at best)."""
+    size = first_codebook_size(directory)
+    if size is not None and ar_codebook_size < size:
+        raise ValueError(
+            f"--ar-codebook-size {ar_codebook_size}: the corpus in {directory} was tokenized with "
+            f"{read_codec_record(directory)['codec']} whose codebook 0 has {size} codes; "
+            f"use --ar-codebook-size {size} (or more)"
+        )
+
+
 def codec_identity(directory: str | os.PathLike) -> dict | None:
     """The codec record of ``directory`` plus, for a fitted codec, its state file's sha256
     (what the trainer stores in checkpoints as ``audio_codec``); None without a record."""

@@ -25,6 +25,7 @@ MODEL_DEFAULTS: dict[str, Any] = dict(
     tie_ar_head=False, nar_head_tie="lifeiteng", positions="interleaved", nar_position_scale="fixed",
     num_languages=0, guided_attention_weight=0.0, guided_attention_sigma=0.2,
     guided_attention_heads=2, guided_attention_layers=2, paired_prompts=False,
+    ar_codebook_size=1024,
 )  # fmt: skip
 
 # Hyper-parameters of the training loss, not of the architecture: on resume the flags
@@ -90,6 +91,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--prepend-bos", type=str2bool, default=d["prepend_bos"], help="BOS before AR audio"
     )
     g.add_argument("--num-quantizers", type=int, default=d["num_quantizers"])
+    g.add_argument("--ar-codebook-size", type=int, default=d["ar_codebook_size"],
+                   help="codes in codebook 0 (1024 for EnCodec; a mel-rvq codec fitted with "
+                        "--first-codebook-size N: N): the AR predicts these and EOS, so a small "
+                        "first codebook makes a cheaper head (the trainer checks it against the "
+                        "corpus's codec)")  # fmt: skip
     g.add_argument(
         "--num-text-tokens", type=int, default=d["num_text_tokens"], help="text vocabulary size"
     )
@@ -142,6 +148,7 @@ def model_hparams(params: Any) -> dict[str, Any]:
         "num_languages",
         "guided_attention_heads",
         "guided_attention_layers",
+        "ar_codebook_size",
     ):
         hp[k] = int(hp[k])
     for k in ("scale_factor", "dropout", "guided_attention_weight", "guided_attention_sigma"):

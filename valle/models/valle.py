@@ -146,6 +146,7 @@ class _VALLEBase(nn.Module):
         guided_attention_heads: int = 2,
         guided_attention_layers: int = 2,
         paired_prompts: bool = False,
+        ar_codebook_size: int = NUM_AUDIO_TOKENS,
     ):
         super().__init__()
         if prefix_mode not in (0, 1, 2, 4):
@@ -180,6 +181,7 @@ class _VALLEBase(nn.Module):
             guided_attention_sigma=guided_attention_sigma,
             guided_attention_heads=guided_attention_heads,
             guided_attention_layers=guided_attention_layers, paired_prompts=paired_prompts,
+            ar_codebook_size=ar_codebook_size,
         )  # fmt: skip
         self.prefix_mode, self.num_quantizers = prefix_mode, num_quantizers
         self.share_embedding, self.prepend_bos = share_embedding, prepend_bos
@@ -211,12 +213,21 @@ class _VALLEBase(nn.Module):
         # backward reserve there (valle.train.resilience.memory.BackwardReserve).
         self.nar_forward_context = nullcontext
         vocab = NUM_AUDIO_TOKENS
+        if not 1 <= ar_codebook_size <= NUM_AUDIO_TOKENS:
+            raise ValueError(
+                f"--ar-codebook-size must be in [1, {NUM_AUDIO_TOKENS}], got {ar_codebook_size}"
+            )
+        # Codebook 0's codes are 0..K-1. The AR's classes are those K codes and EOS (class K;
+        # BOS is row K+1 of the input table): a codec whose first codebook is small (the demo's
+        # mel-rvq, 128 codes) then costs a K+1-wide head, not 1025 (docs/training.md). Outside
+        # the AR, EOS and padding stay id 1024 (_ar_classes maps them in).
+        self.ar_codebook_size = ar_codebook_size
 
         # --- AR: text + codebook 0 (+ EOS, + BOS when prepended) ---
         self.ar_text_embedding = nn.Embedding(num_text_tokens, d)
         # VALL-E X: a language-ID embedding added to every text token (its language).
         self.ar_language_embedding = nn.Embedding(num_languages, d) if num_languages else None
-        self.ar_audio_embedding = nn.Embedding(vocab + 1 + int(prepend_bos), d)
+        self.ar_audio_embedding = nn.Embedding(ar_codebook_size + 1 + int(prepend_bos), d)
         self.ar_text_prenet = TextPrenet(d, dropout) if add_prenet else None
         self.ar_audio_prenet = AudioPrenet(d, dropout) if add_prenet else None
         interleaved = positions == "interleaved"
@@ -226,9 +237,11 @@ class _VALLEBase(nn.Module):
             num_decoder_layers, d, nhead, dropout, norm_first, cross=self.cross_attention
         )
         # lifeiteng keeps the AR head untied even under --share-embedding (tying hurt its
-        # accuracy); --tie-ar-head ties it to the audio embedding rows 0..1024 (EOS included).
+        # accuracy); --tie-ar-head ties it to the audio embedding rows 0..K (EOS included).
         self.tie_ar_head = tie_ar_head
-        self.ar_predict_layer = None if tie_ar_head else nn.Linear(d, vocab + 1, bias=False)
+        self.ar_predict_layer = (
+            None if tie_ar_head else nn.Linear(d, ar_codebook_size + 1, bias=False)
+        )
 
         # --- NAR: codebooks 1..Q-1 ---
         if num_quantizers > 1:
@@ -313,18 +326,33 @@ class _VALLEBase(nn.Module):
         pos = torch.arange(text.shape[1], device=text.device)
         return self.ar_text_position(x, pos)
 
+    def _ar_classes(self, ids: torch.Tensor) -> torch.Tensor:
+        """Codebook-0 ids (codes, EOS/pad 1024, BOS 1025) -> the AR's rows/classes."""
+        shift = NUM_AUDIO_TOKENS - self.ar_codebook_size
+        return ids if shift == 0 else torch.where(ids >= NUM_AUDIO_TOKENS, ids - shift, ids)
+
     def _ar_embed_audio(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        y = self.ar_audio_embedding(tokens)
+        y = self.ar_audio_embedding(self._ar_classes(tokens))
         if self.ar_audio_prenet is not None:
             y = self.ar_audio_prenet(y)
         return self.ar_audio_position(y, positions)
 
-    def _ar_logits(self, h: torch.Tensor) -> torch.Tensor:
+    def _ar_logits(self, h: torch.Tensor, by_id: bool = True) -> torch.Tensor:
+        """Logits over the AR's K+1 classes; ``by_id``: laid out by id (1025 wide, EOS at
+        1024, codes K..1023 at -inf) as decoding reads them. Training takes the classes."""
         if self.ar_predict_layer is not None:
-            return self.ar_predict_layer(h)
-        # Scale keeps tied logits O(1) at init (embeddings are N(0, 1)).
-        weight = self.ar_audio_embedding.weight[: NUM_AUDIO_TOKENS + 1]
-        return F.linear(h * self.ar_dim**-0.5, weight)
+            logits = self.ar_predict_layer(h)
+        else:
+            # Scale keeps tied logits O(1) at init (embeddings are N(0, 1)).
+            weight = self.ar_audio_embedding.weight[: self.ar_codebook_size + 1]
+            logits = F.linear(h * self.ar_dim**-0.5, weight)
+        k = self.ar_codebook_size
+        if not by_id or k == NUM_AUDIO_TOKENS:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], NUM_AUDIO_TOKENS + 1), float("-inf"))
+        full[..., :k] = logits[..., :k]
+        full[..., NUM_AUDIO_TOKENS] = logits[..., k]
+        return full
 
     def _nar_embed_text(
         self, text: torch.Tensor, languages: torch.Tensor | None = None
@@ -483,7 +511,8 @@ class _VALLEBase(nn.Module):
         probe = AttentionProbe(heads=self.guided.heads) if guided else None
         y = self._ar_embed_audio(inputs, pos)
         h = self._ar_core(x, text_valid, y, in_valid, probe=probe, probe_last=self.guided.layers)
-        loss, correct, frames = self._loss_and_top10(self._ar_logits(h), targets)
+        targets = self._ar_classes(targets)  # IGNORE (< 0) stays
+        loss, correct, frames = self._loss_and_top10(self._ar_logits(h, by_id=False), targets)
         penalty = self.guided.loss(probe.scores, text_valid, in_valid) if guided else None
         return loss, correct, frames, penalty
 

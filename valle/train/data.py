@@ -105,6 +105,11 @@ class SyntheticData:
 
 def build_train_data(cfg: TrainConfig, ctx: DistContext, quarantine: Quarantine) -> TrainData:
     if cfg.synthetic_data > 0:
+        if int(cfg.args.get("ar_codebook_size", 1024)) < 1024:
+            raise ValueError(
+                "--synthetic-data draws codebook 0 from all 1024 codes: it needs --ar-codebook-size "
+                f"1024, got {cfg.args['ar_codebook_size']}"
+            )
         return SyntheticData(cfg, ctx)
     from valle.train.lhotse_data import LhotseTrainData  # lhotse is needed only here
 
