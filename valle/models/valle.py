@@ -219,7 +219,7 @@ class _VALLEBase(nn.Module):
             )
         # Codebook 0's codes are 0..K-1. The AR's classes are those K codes and EOS (class K;
         # BOS is row K+1 of the input table): a codec whose first codebook is small (the demo's
-        # mel-rvq, 128 codes) then costs a K+1-wide head, not 1025 (docs/training.md). Outside
+        # mel-rvq, 128 codes) then costs a K+1-wide head, not 1025 (docs/inference.md). Outside
         # the AR, EOS and padding stay id 1024 (_ar_classes maps them in).
         self.ar_codebook_size = ar_codebook_size
 
