@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -42,7 +43,8 @@ BEGIN, END = "<!-- oom-sweep:begin -->", "<!-- oom-sweep:end -->"
 
 
 def configurations(worlds: list[int], scalers: list[bool], steps: list[int],
-                   scenarios: list[str], failing_sets: list[str]) -> list[SweepConfig]:
+                   scenarios: list[str], failing_sets: list[str],
+                   model_flags: tuple[str, ...] = ()) -> list[SweepConfig]:
     out = []
     for scenario in scenarios:
         for w in worlds:
@@ -55,7 +57,7 @@ def configurations(worlds: list[int], scalers: list[bool], steps: list[int],
                 for step in steps if scenario == "plain" else [max(steps[0], 1)]:
                     for f in failing:
                         if f in failing_sets:
-                            out.append(SweepConfig(w, scaler, f, step, scenario))
+                            out.append(SweepConfig(w, scaler, f, step, scenario, model_flags))
     return out
 
 
@@ -71,6 +73,8 @@ def main() -> int:
     p.add_argument("--select", default="kinds", choices=("kinds", "ends", "phases", "all"),
                    help="kinds: the first allocation of every (phase, op) kind of the step; "
                         "ends: its first and last; phases: the first of every phase; all: every one")
+    p.add_argument("--model-flags", default="",
+                   help='trainer flags added to the swept tiny model, e.g. "--guided-attention-weight 1"')
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "oom.md")
     p.add_argument("--no-doc", action="store_true", help="print the tables only")
     p.add_argument("--cache", type=Path, default=ROOT / "exp" / "oom-sweep-cache",
@@ -81,7 +85,7 @@ def main() -> int:
                              [s == "on" for s in args.scaler.split(",")],
                              [-1 if s == "startup" else int(s) for s in args.steps.split(",")],
                              args.scenarios.split(","),
-                             args.failing.split(","))
+                             args.failing.split(","), tuple(shlex.split(args.model_flags)))
     start = time.monotonic()
     results = []
     resumed = 0
@@ -100,7 +104,7 @@ def main() -> int:
         print(f"[{i}/{len(configs)}] {cfg.name}: {dict(r.counts())} ({elapsed(t0)})", flush=True)
         for pt in bad:
             print(f"    N={pt.index} {pt.phase} {pt.op}: {pt.outcome} {pt.detail}", flush=True)
-    command = "python scripts/oom_sweep.py " + " ".join(sys.argv[1:])
+    command = "python scripts/oom_sweep.py " + shlex.join(sys.argv[1:])
     took = elapsed(start) + (f", {resumed} of {len(configs)} configurations from an earlier run "
                              f"of the same code" if resumed else "")
     text = (f"{BEGIN}\nCommand: `{command.strip()}` ({took} on {_machine()}).\n\n"
@@ -136,7 +140,8 @@ def _load(cache: Path | None, cfg: SweepConfig) -> SweepResult | None:
         return None
     data = json.loads(_cache_file(cache, cfg).read_text())
     points = [PointResult(**{**pt, "also": [tuple(a) for a in pt["also"]]}) for pt in data["points"]]
-    return SweepResult(SweepConfig(**data["config"]), data["census_size"], points)
+    config = {**data["config"], "model_flags": tuple(data["config"].get("model_flags", ()))}
+    return SweepResult(SweepConfig(**config), data["census_size"], points)
 
 
 def _store(cache: Path | None, result: SweepResult) -> None:

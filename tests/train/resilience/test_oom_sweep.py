@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from valle.train.resilience.sweep import SweepConfig, choose_points, classify, run_sweep
+from valle.train.resilience.sweep import (
+    SweepConfig,
+    choose_points,
+    classify,
+    run_sweep,
+    trainer_argv,
+)
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -67,3 +73,14 @@ def test_classify_tells_the_outcomes_apart():
     named = {"status": "named", "detail": "NoHealthyRankError: restart"}
     assert classify([named, named], cfg)[0] == "clean exit"
     assert classify([named, ok], cfg)[0] == "crash"  # some stopped, others went on
+
+
+def test_model_flags_reach_the_swept_trainer_and_name_the_configuration(tmp_path):
+    """`oom_sweep.py --model-flags`: the swept model takes them (e.g. the guided-attention loss,
+    whose probe allocates in the forward) and the configuration's name (its cache key) says so."""
+    plain = SweepConfig(1, False, "all", 1, "plain")
+    guided = SweepConfig(1, False, "all", 1, "plain", ("--guided-attention-weight", "1"))
+    argv = trainer_argv(tmp_path, guided, ["--inject-fault", "alloc@1:5:0"])
+    assert argv[-4:] == ["--guided-attention-weight", "1", "--inject-fault", "alloc@1:5:0"]
+    assert "--guided-attention-weight" not in trainer_argv(tmp_path, plain, [])
+    assert guided.name == plain.name + " [--guided-attention-weight 1]"

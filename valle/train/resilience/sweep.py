@@ -50,12 +50,16 @@ class SweepConfig:
     # 3: the epoch's end (all ranks dry, epoch checkpoint)
     fault_step: int = 1
     scenario: str = "plain"  # plain, retry (a named forward OOM first), repair (a damaged rank)
+    # Trainer flags added to the tiny model's (e.g. --guided-attention-weight 1: the demo's
+    # AR loss, whose probe allocates in the forward).
+    model_flags: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
         where = "startup" if self.fault_step < 0 else f"step{self.fault_step}"
+        flags = f" [{' '.join(self.model_flags)}]" if self.model_flags else ""
         return (f"ws{self.world_size} {'fp16+scaler' if self.scaler else 'fp32'} "
-                f"{self.failing} {where} {self.scenario}")
+                f"{self.failing} {where} {self.scenario}{flags}")
 
     @property
     def expected_steps(self) -> int:
@@ -116,7 +120,7 @@ def trainer_argv(exp_dir: Path, cfg: SweepConfig, extra: list[str]) -> list[str]
         # rank w-1's update fails at step fault_step-1 on every local retry (2, so x3): it
         # is repaired from rank 0 in step fault_step, whose allocations are swept
         argv += ["--inject-fault", f"optimizer@{cfg.fault_step - 1}x3:{w - 1}"]
-    return argv + extra
+    return argv + list(cfg.model_flags) + extra
 
 
 def _quiet() -> None:
