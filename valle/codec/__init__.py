@@ -120,12 +120,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def first_codebook_size(directory: str | os.PathLike) -> int | None:
-    """How many codes codebook 0 of the corpus in ``directory`` uses (1024 for EnCodec; a
-    mel-rvq codec's fitted ``--first-codebook-size``); None without a codec record."""
-    record = read_codec_record(directory)
-    if record is None:
-        return None
+def _first_codebook_size(directory: str | os.PathLike, record: dict) -> int:
     if record["codec"] != "mel-rvq":
         return 1024
     import torch
@@ -135,14 +130,22 @@ def first_codebook_size(directory: str | os.PathLike) -> int | None:
     return int(sizes[0]) if sizes else 1024
 
 
+def first_codebook_size(directory: str | os.PathLike) -> int | None:
+    """How many codes codebook 0 of the corpus in ``directory`` uses (1024 for EnCodec; a
+    mel-rvq codec's fitted ``--first-codebook-size``); None without a codec record."""
+    record = read_codec_record(directory)
+    return None if record is None else _first_codebook_size(directory, record)
+
+
 def check_ar_codebook_size(ar_codebook_size: int, directory: str | os.PathLike) -> None:
     """Refuse a model whose AR predicts fewer codebook-0 codes than the corpus uses: its codes
     beyond the head would be out of range (an index error deep in the first step at best)."""
-    size = first_codebook_size(directory)
+    record = read_codec_record(directory)
+    size = None if record is None else _first_codebook_size(directory, record)
     if size is not None and ar_codebook_size < size:
         raise ValueError(
             f"--ar-codebook-size {ar_codebook_size}: the corpus in {directory} was tokenized with "
-            f"{read_codec_record(directory)['codec']} whose codebook 0 has {size} codes; "
+            f"{record['codec']} whose codebook 0 has {size} codes; "
             f"use --ar-codebook-size {size} (or more)"
         )
 

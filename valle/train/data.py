@@ -103,14 +103,17 @@ class SyntheticData:
         return len(self.sampler) * num_epochs
 
 
-def build_train_data(cfg: TrainConfig, ctx: DistContext, quarantine: Quarantine) -> TrainData:
+def build_train_data(cfg: TrainConfig, ctx: DistContext, quarantine: Quarantine,
+                     ar_codebook_size: int = 1024) -> TrainData:
+    """``ar_codebook_size``: the model's (--ar-codebook-size); refused when the data's codebook 0
+    has more codes."""
     if cfg.synthetic_data > 0:
-        if int(cfg.args.get("ar_codebook_size", 1024)) < 1024:
+        if ar_codebook_size < 1024:
             raise ValueError(
                 "--synthetic-data draws codebook 0 from all 1024 codes: it needs --ar-codebook-size "
-                f"1024, got {cfg.args['ar_codebook_size']}"
+                f"1024, got {ar_codebook_size}"
             )
         return SyntheticData(cfg, ctx)
     from valle.train.lhotse_data import LhotseTrainData  # lhotse is needed only here
 
-    return LhotseTrainData(cfg, ctx)
+    return LhotseTrainData(cfg, ctx, ar_codebook_size)

@@ -30,7 +30,7 @@ CRITERIA: dict[str, Callable[[Any], float]] = {
 
 
 class LhotseTrainData:
-    def __init__(self, cfg: TrainConfig, ctx: DistContext):
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, ar_codebook_size: int = 1024):
         self.cfg = cfg
         self.ctx = ctx
         self.module = TtsDataModule(argparse.Namespace(**cfg.args))
@@ -40,10 +40,10 @@ class LhotseTrainData:
         cfg.args["text_tokens"] = str(self.module.text_tokens_path().resolve())
         # ... and the codec's identity (a refitted mel-rvq codec gives other codes).
         cfg.args["audio_codec"] = self.module.codec_identity()
-        # ... whose codebook 0 must fit the AR's head (--ar-codebook-size; loop.build_run sets it).
+        # ... whose codebook 0 must fit the AR's head (--ar-codebook-size).
         from valle.codec import check_ar_codebook_size
 
-        check_ar_codebook_size(int(cfg.args.get("ar_codebook_size", 1024)), self.module.args.manifest_dir)
+        check_ar_codebook_size(ar_codebook_size, self.module.args.manifest_dir)
         # VALL-E X: the language-id order, so bin/infer.py maps --language to the same ids.
         languages = self.module.languages()
         if languages is not None:

@@ -295,9 +295,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
         reporter=OomReporter(cfg.exp_dir, ctx.rank, cfg.save_oom_batches, cfg.oom_snapshot),
         quarantine=quarantine, channel=ctx.channel,
     )
-    # The model's (a resumed checkpoint's, whatever the flag): the data checks it against the codec.
-    cfg.args["ar_codebook_size"] = getattr(model, "ar_codebook_size", 1024)
-    data = build_train_data(cfg, ctx, quarantine)
+    # The model's head (a resumed checkpoint's, whatever the flag) must fit the corpus's codebook 0.
+    data = build_train_data(cfg, ctx, quarantine, ar_codebook_size=model.ar_codebook_size)
     run = Run(cfg, ctx, model, optimizer, scheduler, scaler, averager, stepper, data, quarantine,
               TensorBoardLogger(cfg.exp_dir / "tensorboard" / f"stage{cfg.train_stage}", enabled=cfg.tensorboard and ctx.is_main),
               StallWatchdog(cfg.stall_factor, cfg.stall_min_seconds,
