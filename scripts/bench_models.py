@@ -6,7 +6,9 @@
 2. the AR training step with the guided-attention loss (--guided-attention-weight, which
    computes the probed layers' attention explicitly instead of by SDPA) against without;
 3. AR decoding of 8.5 s of audio (638 frames at 75 Hz) after a 3 s prompt (225
-   frames), with and without the KV cache (EOS ignored so both run the same length).
+   frames), with and without the KV cache (EOS ignored so both run the same length);
+4. grouped code modeling (--ar-group-size 2, VALL-E 2) against the plain AR: the AR training
+   step and KV-cache decoding of the same frames.
 
 Prints the exact command first, then markdown tables.
 """
@@ -123,7 +125,8 @@ def bench_train(model, batch, device, repeats: int):
 
 
 def bench_decode(
-    model, text_len: int, prompt_frames: int, frames: int, device, repeats: int, vocab: int
+    model, text_len: int, prompt_frames: int, frames: int, device, repeats: int, vocab: int,
+    nar: bool = True,
 ):
     g = torch.Generator().manual_seed(1)
     text = torch.randint(4, vocab, (1, text_len), generator=g).to(device)
@@ -143,6 +146,8 @@ def bench_decode(
 
     with torch.no_grad():
         cached = _time(ar(True), device, repeats, warmup=1)
+        if not nar:  # the AR with its cache only
+            return statistics.median(cached), None, None, None
         full = _time(ar(False), device, 1, warmup=0)
         # Per-token steps are tiny ops: with other processes on the cores, OpenMP threads
         # waiting on a descheduled peer can cost far more than the work. Show 1 thread too.
@@ -194,6 +199,41 @@ def report_guided(args, vocab: int, device) -> None:
     print(f"| without (SDPA everywhere) | {plain * 1e3:.0f} ms |")
     print(f"| with --guided-attention-weight 1 | {guided * 1e3:.0f} ms |")
     print(f"| ratio | {guided / plain:.2f}x |\n")
+
+
+def report_grouped(args, vocab: int, device) -> None:
+    """--ar-group-size 1 vs 2: the AR training step (interleaved) and KV-cache decoding."""
+    batch = make_batch(args.batch_size, args.text_len, args.audio_len, 8, vocab, device)
+    models, steps = {}, {}
+    for group in (1, 2):
+        torch.manual_seed(0)
+        models[group] = model = build(args, 0.0, vocab, device, ar_group_size=group).train()
+
+        def step(model=model):
+            model.zero_grad(set_to_none=True)
+            model(*batch, train_stage=1)[0].backward()
+
+        steps[group] = step
+        _time(step, device, 0)  # warm-up only
+    times = {group: [] for group in steps}
+    for _ in range(args.repeats):  # interleaved: both see the same machine load
+        for group, step in steps.items():
+            times[group] += _time(step, device, 1, warmup=0)
+    decode = {}
+    if not args.skip_decode:
+        for group, model in models.items():
+            decode[group] = bench_decode(model.eval(), args.text_len, args.prompt_frames,
+                                         args.decode_frames, device, max(1, args.repeats // 2),
+                                         vocab, nar=False)[0]  # fmt: skip
+    print(f"## Grouped code modeling: --ar-group-size 2 against 1 (batch {args.batch_size} x "
+          f"({args.text_len} text, {args.audio_len} frames), stage 1, fp32, dropout 0; decoding "
+          f"{args.decode_frames} frames with the KV cache)\n")  # fmt: skip
+    print(f"| --ar-group-size | AR step (best of {args.repeats}) | AR decoding |\n| --- | --- | --- |")
+    for group in steps:
+        dec = f"{decode[group]:.2f} s" if decode else "not run"
+        print(f"| {group} | {min(times[group]) * 1e3:.0f} ms | {dec} |")
+    ratio_dec = f"{decode[2] / decode[1]:.2f}x" if decode else ""
+    print(f"| ratio 2 / 1 | {min(times[2]) / min(times[1]):.2f}x | {ratio_dec} |\n")
 
 
 def report_train(args, model, dropout: float, vocab: int, device) -> None:
@@ -268,6 +308,7 @@ def main() -> None:
         report_train(args, model, dropout, vocab, device)
 
     report_guided(args, vocab, device)
+    report_grouped(args, vocab, device)
     if args.skip_decode:
         return
     model = build(args, 0.0, vocab, device).eval()

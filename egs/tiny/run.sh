@@ -9,6 +9,7 @@
 #   4 bin/evaluate.py: PER, speaker similarity, duration, length-cap hits, beside their ceilings
 #   5 summary (wavs, figures, TensorBoard dir, loss-curve PNG)
 #   egs/tiny/run.sh [--stage 0] [--stop-stage 5] [--nproc 2] [--ar-epochs 8] [--nar-epochs 2] [--quick true]
+#                   [--ar-group-size 1]
 #                   [--exp exp/valle] [--data data/tiny/tokenized]
 set -euo pipefail
 
@@ -19,6 +20,7 @@ ar_epochs=8   # of 3224 training utterances: about 2930 AR steps, 5.6 minutes on
 nar_epochs=2
 ar_max_steps=0   # >0: the AR stage also stops after this many steps
 nar_max_steps=0
+ar_group_size=1  # frames of codebook 0 per AR position (VALL-E 2's grouped code modeling)
 generated=3000  # more sentences, not more epochs, is what lowered held-out PER (docs/evaluation.md)
 num_items=8
 quick=false
@@ -27,7 +29,7 @@ exp=exp/valle  # under egs/tiny
 data=data/tiny/tokenized  # under egs/tiny; stage 0 prepares it
 python=${PYTHON:-python}
 
-options="stage stop_stage nproc ar_epochs nar_epochs ar_max_steps nar_max_steps generated num_items quick codec exp data python"
+options="stage stop_stage nproc ar_epochs nar_epochs ar_max_steps nar_max_steps ar_group_size generated num_items quick codec exp data python"
 . "$(dirname "${BASH_SOURCE[0]}")/../parse_options.sh"
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -48,7 +50,8 @@ log() { echo "$(date '+%F %T') [tiny run stage $1] ${*:2}"; }
 # Codebook 0 has 128 codes (stage 0's codec), so the AR's head predicts 129 classes, not 1025.
 first_codebook_size=128
 model=(--model-name valle --decoder-dim 128 --nhead 4 --num-decoder-layers 2 --prefix-mode 1
-       --dropout 0.0 --guided-attention-weight 1.0 --ar-codebook-size "$first_codebook_size")
+       --dropout 0.0 --guided-attention-weight 1.0 --ar-codebook-size "$first_codebook_size"
+       --ar-group-size "$ar_group_size")
 train=(--manifest-dir "$data" --dataset tiny --max-duration 16 --max-text-tokens 400
        --num-workers 0 --device cpu --dtype float32
        --base-lr 0.05 --warmup-steps 20 --lr-batches 200 --log-interval 20 --valid-interval "$valid_interval"

@@ -25,7 +25,7 @@ MODEL_DEFAULTS: dict[str, Any] = dict(
     tie_ar_head=False, nar_head_tie="lifeiteng", positions="interleaved", nar_position_scale="fixed",
     num_languages=0, guided_attention_weight=0.0, guided_attention_sigma=0.2,
     guided_attention_heads=2, guided_attention_layers=2, paired_prompts=False,
-    ar_codebook_size=1024,
+    ar_codebook_size=1024, ar_group_size=1,
 )  # fmt: skip
 
 # Hyper-parameters of the training loss, not of the architecture: on resume the flags
@@ -96,6 +96,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         "--first-codebook-size N: N): the AR predicts these and EOS, so a small "
                         "first codebook makes a cheaper head (the trainer checks it against the "
                         "corpus's codec)")  # fmt: skip
+    g.add_argument("--ar-group-size", type=int, default=d["ar_group_size"],
+                   help="VALL-E 2's grouped code modeling: each AR position reads and predicts "
+                        "this many consecutive frames of codebook 0 (a G times shorter AR "
+                        "sequence, G frames per decoding step; docs/training.md)")  # fmt: skip
     g.add_argument(
         "--num-text-tokens", type=int, default=d["num_text_tokens"], help="text vocabulary size"
     )
@@ -149,6 +153,7 @@ def model_hparams(params: Any) -> dict[str, Any]:
         "guided_attention_heads",
         "guided_attention_layers",
         "ar_codebook_size",
+        "ar_group_size",
     ):
         hp[k] = int(hp[k])
     for k in ("scale_factor", "dropout", "guided_attention_weight", "guided_attention_sigma"):

@@ -147,6 +147,7 @@ class _VALLEBase(nn.Module):
         guided_attention_layers: int = 2,
         paired_prompts: bool = False,
         ar_codebook_size: int = NUM_AUDIO_TOKENS,
+        ar_group_size: int = 1,
     ):
         super().__init__()
         if prefix_mode not in (0, 1, 2, 4):
@@ -181,7 +182,7 @@ class _VALLEBase(nn.Module):
             guided_attention_sigma=guided_attention_sigma,
             guided_attention_heads=guided_attention_heads,
             guided_attention_layers=guided_attention_layers, paired_prompts=paired_prompts,
-            ar_codebook_size=ar_codebook_size,
+            ar_codebook_size=ar_codebook_size, ar_group_size=ar_group_size,
         )  # fmt: skip
         self.prefix_mode, self.num_quantizers = prefix_mode, num_quantizers
         self.share_embedding, self.prepend_bos = share_embedding, prepend_bos
@@ -222,12 +223,23 @@ class _VALLEBase(nn.Module):
         # mel-rvq, 128 codes) then costs a K+1-wide head, not 1025 (docs/inference.md). Outside
         # the AR, EOS and padding stay id 1024 (_ar_classes maps them in).
         self.ar_codebook_size = ar_codebook_size
+        if ar_group_size < 1:
+            raise ValueError(f"--ar-group-size must be >= 1, got {ar_group_size}")
+        if ar_group_size > 1 and paired_prompts:
+            raise ValueError("--paired-prompts needs --ar-group-size 1 (the paired row's prompt "
+                             "and target would have to start on group boundaries)")
+        # VALL-E 2's grouped code modeling: each AR position reads and predicts G consecutive
+        # frames of codebook 0, so the AR's audio sequence is G times shorter (a cheaper
+        # step and G frames per decoding step). Each slot has its own input table (their
+        # embeddings are summed: a linear map of the G one-hot codes) and its own K+1 outputs.
+        self.ar_group_size = ar_group_size
+        self._ar_rows = ar_codebook_size + 1 + int(prepend_bos)  # rows of one slot's table
 
         # --- AR: text + codebook 0 (+ EOS, + BOS when prepended) ---
         self.ar_text_embedding = nn.Embedding(num_text_tokens, d)
         # VALL-E X: a language-ID embedding added to every text token (its language).
         self.ar_language_embedding = nn.Embedding(num_languages, d) if num_languages else None
-        self.ar_audio_embedding = nn.Embedding(ar_codebook_size + 1 + int(prepend_bos), d)
+        self.ar_audio_embedding = nn.Embedding(ar_group_size * self._ar_rows, d)
         self.ar_text_prenet = TextPrenet(d, dropout) if add_prenet else None
         self.ar_audio_prenet = AudioPrenet(d, dropout) if add_prenet else None
         interleaved = positions == "interleaved"
@@ -240,7 +252,7 @@ class _VALLEBase(nn.Module):
         # accuracy); --tie-ar-head ties it to the audio embedding rows 0..K (EOS included).
         self.tie_ar_head = tie_ar_head
         self.ar_predict_layer = (
-            None if tie_ar_head else nn.Linear(d, ar_codebook_size + 1, bias=False)
+            None if tie_ar_head else nn.Linear(d, ar_group_size * (ar_codebook_size + 1), bias=False)
         )
 
         # --- NAR: codebooks 1..Q-1 ---
@@ -332,21 +344,33 @@ class _VALLEBase(nn.Module):
         return ids if shift == 0 else torch.where(ids >= NUM_AUDIO_TOKENS, ids - shift, ids)
 
     def _ar_embed_audio(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        y = self.ar_audio_embedding(self._ar_classes(tokens))
+        """Tokens (B, L), or (B, L, G) groups of codebook-0 ids, -> (B, L, D)."""
+        g = self.ar_group_size
+        if tokens.dim() == 2 and g == 1:
+            y = self.ar_audio_embedding(self._ar_classes(tokens))
+        else:
+            if tokens.shape[-1] != g:
+                raise ValueError(f"expected groups of {g} codes, got {tuple(tokens.shape)}")
+            slot_offsets = torch.arange(g, device=tokens.device) * self._ar_rows
+            y = self.ar_audio_embedding(self._ar_classes(tokens) + slot_offsets).sum(dim=-2)
         if self.ar_audio_prenet is not None:
             y = self.ar_audio_prenet(y)
         return self.ar_audio_position(y, positions)
 
     def _ar_logits(self, h: torch.Tensor, by_id: bool = True) -> torch.Tensor:
-        """Logits over the AR's K+1 classes; ``by_id``: laid out by id (1025 wide, EOS at
-        1024, codes K..1023 at -inf) as decoding reads them. Training takes the classes."""
+        """Logits over the AR's K+1 classes, (..., K+1), or (..., G, K+1) per slot of a
+        group; ``by_id``: laid out by id (1025 wide, EOS at 1024, codes K..1023 at -inf)
+        as decoding reads them. Training takes the classes."""
+        k, g = self.ar_codebook_size, self.ar_group_size
         if self.ar_predict_layer is not None:
             logits = self.ar_predict_layer(h)
         else:
-            # Scale keeps tied logits O(1) at init (embeddings are N(0, 1)).
-            weight = self.ar_audio_embedding.weight[: self.ar_codebook_size + 1]
-            logits = F.linear(h * self.ar_dim**-0.5, weight)
-        k = self.ar_codebook_size
+            # Scale keeps tied logits O(1) at init (embeddings are N(0, 1)). Slot j's head
+            # is its own table's rows 0..K (codes and EOS).
+            weight = self.ar_audio_embedding.weight.view(g, self._ar_rows, -1)[:, : k + 1]
+            logits = F.linear(h * self.ar_dim**-0.5, weight.reshape(g * (k + 1), -1))
+        if g > 1:
+            logits = logits.unflatten(-1, (g, k + 1))
         if not by_id or k == NUM_AUDIO_TOKENS:
             return logits
         full = logits.new_full((*logits.shape[:-1], NUM_AUDIO_TOKENS + 1), float("-inf"))
@@ -489,18 +513,22 @@ class _VALLEBase(nn.Module):
             p = pair[1].to(audio_lens.dtype)
             codes0, audio_lens = pack_sequences(pair[0][..., None], p, codes0[..., None], audio_lens, eos)
             codes0 = codes0[..., 0]
-        bsz, t_max = codes0.shape[0], codes0.shape[1]
-        y = codes0.masked_fill(~_lengths_to_valid(audio_lens, t_max), eos)
-        eos_col = y.new_full((bsz, 1), eos)
-        if self.prepend_bos:
-            inputs = torch.cat([y.new_full((bsz, 1), eos + 1), y], dim=1)
-            targets = torch.cat([y, eos_col], dim=1)
-            n_in = audio_lens + 1
+        if self.ar_group_size > 1:
+            inputs, targets, n_in = self._ar_group_layout(codes0, audio_lens)
+            in_valid = _lengths_to_valid(n_in, inputs.shape[1])
         else:
-            # Frame 0 is always given (by the prompt at inference), never predicted.
-            inputs, targets, n_in = y, torch.cat([y[:, 1:], eos_col], dim=1), audio_lens
-        in_valid = _lengths_to_valid(n_in, inputs.shape[1])
-        targets = targets.masked_fill(~in_valid, IGNORE)
+            bsz, t_max = codes0.shape[0], codes0.shape[1]
+            y = codes0.masked_fill(~_lengths_to_valid(audio_lens, t_max), eos)
+            eos_col = y.new_full((bsz, 1), eos)
+            if self.prepend_bos:
+                inputs = torch.cat([y.new_full((bsz, 1), eos + 1), y], dim=1)
+                targets = torch.cat([y, eos_col], dim=1)
+                n_in = audio_lens + 1
+            else:
+                # Frame 0 is always given (by the prompt at inference), never predicted.
+                inputs, targets, n_in = y, torch.cat([y[:, 1:], eos_col], dim=1), audio_lens
+            in_valid = _lengths_to_valid(n_in, inputs.shape[1])
+            targets = targets.masked_fill(~in_valid, IGNORE)
         if p is not None:  # targets inside the prompt are context, not loss
             first_target = p if self.prepend_bos else p - 1
             cols = torch.arange(targets.shape[1], device=targets.device)[None, :]
@@ -515,6 +543,29 @@ class _VALLEBase(nn.Module):
         loss, correct, frames = self._loss_and_top10(self._ar_logits(h, by_id=False), targets)
         penalty = self.guided.loss(probe.scores, text_valid, in_valid) if guided else None
         return loss, correct, frames, penalty
+
+    def _ar_group_layout(self, codes0, audio_lens):
+        """Teacher-forced AR rows in groups of G frames: inputs (B, L, G), targets (B, L, G)
+        (IGNORE after each row's EOS), valid input groups per row (B,).
+
+        The frames and then EOS, cut into groups: input group i predicts group i + 1. The
+        first group is given (by the prompt at inference), as frame 0 is when G = 1; with
+        --prepend-bos a group of BOS comes first and every group is predicted.
+        """
+        g, eos = self.ar_group_size, NUM_AUDIO_TOKENS
+        bsz, t_max = codes0.shape
+        n_groups = -(-(t_max + 1) // g)  # frames + EOS, rounded up to whole groups
+        y = codes0.masked_fill(~_lengths_to_valid(audio_lens, t_max), eos)
+        y = torch.cat([y, y.new_full((bsz, n_groups * g - t_max), eos)], dim=1)
+        frame = torch.arange(n_groups * g, device=y.device)[None, :]
+        beyond_eos = frame > audio_lens[:, None]  # the EOS itself (frame T) is a target
+        groups = y.view(bsz, n_groups, g)
+        targets = y.masked_fill(beyond_eos, IGNORE).view(bsz, n_groups, g)
+        n_in = torch.div(audio_lens, g, rounding_mode="floor")
+        if self.prepend_bos:
+            bos = groups.new_full((bsz, 1, g), eos + 1)
+            return torch.cat([bos, groups[:, :-1]], dim=1), targets, n_in + 1
+        return groups[:, :-1], targets[:, 1:], n_in
 
     def _nar_layout(self, codes, audio_lens, sample_seeds, prompt, prompt_lens):
         """Per-row NAR input: packed codes, prompt length, valid length, loss mask."""
@@ -786,21 +837,9 @@ class _VALLEBase(nn.Module):
                 f"text token ids must be in [0, {self.num_text_tokens}), got {int(text.max())}"
             )
         text_valid = _lengths_to_valid(text_lens, text.shape[1])
-        bos = int(self.prepend_bos)
-        if bos:
-            prompt0 = torch.cat([prompt0.new_full((bsz, 1), eos + 1), prompt0], dim=1)
-        n_in = prompt_lens + bos
-        if int(n_in.min()) < 1:
-            raise ValueError(
-                "AR decoding needs at least one prompt frame per row (or --prepend-bos true)"
-            )
-        # Right-align each row's prompt so every row's last prompt frame is the last
-        # column: one shared column for the next token, per-row positions stay exact.
-        width = prompt0.shape[1]
-        src = torch.arange(width, device=device)[None, :] - (width - n_in)[:, None]
-        audio_valid = src >= 0
-        tokens = prompt0.gather(1, src.clamp(min=0)).masked_fill(~audio_valid, eos)
-        positions = src.clamp(min=0)
+        g = self.ar_group_size
+        tokens, positions, audio_valid, n_in = self._ar_prompt_layout(prompt0, prompt_lens)
+        width = tokens.shape[1]
         if force_len is not None:
             caps = torch.full((bsz,), int(force_len), device=device, dtype=torch.long)
         else:
@@ -810,7 +849,7 @@ class _VALLEBase(nn.Module):
             raise ValueError(
                 f"no frames allowed for batch row(s) {rows}: max_len_ratio={max_len_ratio} too small"
             )
-        max_new = int(caps.max())
+        max_new = -(-int(caps.max()) // g)  # decoding steps: G frames each
         generator = None
         if seed is not None:
             generator = torch.Generator(device=device).manual_seed(int(seed))
@@ -832,20 +871,24 @@ class _VALLEBase(nn.Module):
         score = torch.zeros(bsz, dtype=torch.float32, device=device)
         counted = torch.zeros(bsz, dtype=torch.float32, device=device)
         history = torch.full((bsz, max(1, ras_window)), -1, dtype=torch.long, device=device)
+        slot = torch.arange(g, device=device)
         for i in range(max_new):
+            logits = logits.reshape(bsz, g, -1)  # (B, G, 1025): one distribution per frame
+            frame = i * g + slot  # (G,) the frame index each slot would be
             if force_len is not None:
-                logits[:, eos] = float("-inf")
+                logits[..., eos] = float("-inf")
             elif min_lens is not None:  # no EOS before the row's floor (caps still win)
-                early = (i < min_lens) & (i < caps)
-                logits[:, eos] = logits[:, eos].masked_fill(early, float("-inf"))
+                early = (frame[None, :] < min_lens[:, None]) & (frame[None, :] < caps[:, None])
+                logits[..., eos] = logits[..., eos].masked_fill(early, float("-inf"))
+            flat = logits.reshape(bsz * g, -1)
             tok = sample(
-                logits, top_k=top_k, top_p=top_p, temperature=temperature, generator=generator
-            )
+                flat, top_k=top_k, top_p=top_p, temperature=temperature, generator=generator
+            ).view(bsz, g)
             if repetition_aware:
                 # VALL-E 2: a token repeated too often in the recent window is redrawn
                 # from the full distribution (no top-k/top-p), which breaks loops.
-                ratio = (history == tok[:, None]).sum(dim=1).float() / history.shape[1]
-                free = sample(logits, temperature=temperature, generator=generator)
+                ratio = (history[:, None, :] == tok[..., None]).sum(-1).float() / history.shape[1]
+                free = sample(flat, temperature=temperature, generator=generator).view(bsz, g)
                 if force_len is not None:
                     free = torch.where(free == eos, tok, free)
                 tok = torch.where(ratio > ras_threshold, free, tok)
@@ -853,40 +896,77 @@ class _VALLEBase(nn.Module):
             if stop_rule == "argmax_or_sampled":
                 # lifeiteng: also stop when EOS is the most likely token, sampled or not.
                 is_eos = is_eos | (logits.argmax(dim=-1) == eos)
-            stop = is_eos | (i >= caps)
+            stop = is_eos | (frame[None, :] >= caps[:, None])  # (B, G)
+            # A row ends at its group's first stopping slot: that frame and the ones after
+            # it are not kept.
+            stops_here = stop.any(dim=1) & ~done
+            first = torch.where(stop.any(dim=1), stop.int().argmax(dim=1), g)
+            kept = ~done[:, None] & (slot[None, :] < first[:, None])
+            ends_on_eos = stops_here & is_eos.gather(1, first.clamp(max=g - 1)[:, None]).squeeze(1)
             if want_scores:
                 logp = torch.log_softmax(logits.float(), dim=-1)
-                picked = logp.gather(1, torch.where(is_eos, eos, tok)[:, None]).squeeze(1)
-                counts = ~done & (is_eos | ~stop)  # a frame kept, or the EOS that ended the row
-                score = score + torch.where(counts, picked, torch.zeros_like(picked))
-                counted = counted + counts.float()
-            lens = torch.where(stop & ~done, torch.full_like(lens, i), lens)
-            ended_on_eos = ended_on_eos | (is_eos & ~done)
-            done = done | stop
-            tok = tok.masked_fill(done, eos)
+                picked = logp.gather(2, torch.where(is_eos, eos, tok)[..., None]).squeeze(2)
+                # the frames kept, and the EOS that ended the row
+                counts = kept | (ends_on_eos[:, None] & (slot[None, :] == first[:, None]))
+                score = score + torch.where(counts, picked, torch.zeros_like(picked)).sum(1)
+                counted = counted + counts.float().sum(1)
+            lens = torch.where(stops_here, i * g + first, lens)
+            ended_on_eos = ended_on_eos | ends_on_eos
+            done = done | stops_here
+            tok = tok.masked_fill(~kept, eos)
             out.append(tok)
             if bool(done.all()):
                 break
             if repetition_aware:
-                history = torch.cat([history[:, 1:], tok[:, None]], dim=1)
+                history = torch.cat([history[:, g:], tok], dim=1)[:, -history.shape[1]:]
             new_pos = n_in + i
             if i + 1 == max_new:
                 break  # no further token will be sampled: skip the last model call
-            y_new = self._ar_embed_audio(tok[:, None], new_pos[:, None])
+            step_tokens = tok.view(bsz, 1, g) if g > 1 else tok  # one column: (B, 1[, G])
+            y_new = self._ar_embed_audio(step_tokens, new_pos[:, None])
             audio_valid = torch.cat([audio_valid, torch.ones_like(audio_valid[:, :1])], dim=1)
             if caches is not None:
                 h = self._ar_core_step(y_new, text_valid, audio_valid, caches)
             else:
-                tokens = torch.cat([tokens, tok[:, None]], dim=1)
+                tokens = torch.cat([tokens, step_tokens], dim=1)
                 positions = torch.cat([positions, new_pos[:, None]], dim=1)
                 h = self._ar_core(
                     x, text_valid, self._ar_embed_audio(tokens, positions), audio_valid
                 )
             logits = self._ar_logits(h[:, -1])
-        lens = torch.where(done, lens, torch.full_like(lens, len(out)))
-        gen = torch.stack(out, dim=1)[:, : int(lens.max())]
+        lens = torch.where(done, lens, torch.full_like(lens, len(out) * g))
+        gen = torch.cat(out, dim=1)[:, : int(lens.max())]
         scores = score / counted.clamp(min=1) if want_scores else None
         return gen, lens, scores, ended_on_eos
+
+    def _ar_prompt_layout(self, prompt0, prompt_lens):
+        """The AR's prompt input: tokens (B, W) or groups (B, W, G), positions (B, W), valid
+        columns (B, W), valid groups per row (B,).
+
+        Rows are right-aligned, so every row's last prompt group is the last column: one
+        shared column for the next group, per-row positions stay exact. With G > 1 a row
+        keeps its last whole groups (its first ``len % G`` frames are dropped); with
+        --prepend-bos a BOS group goes first, as in training.
+        """
+        g, eos, device = self.ar_group_size, NUM_AUDIO_TOKENS, prompt0.device
+        bsz, bos = prompt0.shape[0], int(self.prepend_bos)
+        n_groups = torch.div(prompt_lens, g, rounding_mode="floor") + bos
+        if int(n_groups.min()) < 1:
+            raise ValueError(
+                f"AR decoding needs at least {g} prompt frame(s) per row (or --prepend-bos true)"
+            )
+        width = int(n_groups.max())
+        col = torch.arange(width * g, device=device)[None, :]
+        j = col - (width - n_groups)[:, None] * g  # index into the row's [BOS group; groups]
+        skip = (prompt_lens % g)[:, None]  # leading frames that do not fill a group
+        src = (skip + j - bos * g).clamp(min=0, max=max(prompt0.shape[1] - 1, 0))
+        frames = prompt0.gather(1, src) if prompt0.shape[1] else prompt0.new_full(src.shape, eos)
+        frames = torch.where(j < bos * g, eos + 1, frames).masked_fill(j < 0, eos)
+        group_col = torch.arange(width, device=device)[None, :]
+        positions = group_col - (width - n_groups)[:, None]
+        valid = positions >= 0
+        tokens = frames.view(bsz, width, g) if g > 1 else frames
+        return tokens, positions.clamp(min=0), valid, n_groups
 
     def _nar_generate(
         self, text, text_lens, prompt, prompt_lens, gen0, gen_lens, langs=None, code_vectors=None
