@@ -121,14 +121,20 @@ def main() -> int:
     return 1 if bad else 0
 
 
-def _code_key() -> str:
-    """The commit plus a hash of uncommitted changes to the code the sweep runs."""
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout
+SWEPT_CODE = ("valle", "bin", "scripts")  # what a sweep runs; docs and tests do not change it
 
-    head = git("rev-parse", "--short=12", "HEAD").strip() or "nogit"
-    dirty = git("diff", "HEAD", "--", "valle", "bin", "scripts")
-    return head + ("-" + hashlib.sha1(dirty.encode()).hexdigest()[:8] if dirty else "")
+
+def _code_key(root: Path = ROOT) -> str:
+    """A hash of the committed code the sweep runs, plus one of its uncommitted changes: a
+    commit that touches only docs or tests keeps the cached results (the tree ids of the
+    swept folders are unchanged), any change to the code starts a new cache."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True).stdout
+
+    trees = git("rev-parse", *(f"HEAD:{d}" for d in SWEPT_CODE)).strip()
+    code = "code-" + hashlib.sha1(trees.encode()).hexdigest()[:12] if trees else "nogit"
+    dirty = git("diff", "HEAD", "--", *SWEPT_CODE)
+    return code + ("-" + hashlib.sha1(dirty.encode()).hexdigest()[:8] if dirty else "")
 
 
 def _cache_file(cache: Path, cfg: SweepConfig) -> Path:
