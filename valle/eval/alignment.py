@@ -65,7 +65,7 @@ def head_alignment(
     model, text, text_lens, codes0, audio_lens, langs=None, sigma: float = 0.2
 ) -> list[HeadAlignment]:
     """Alignment figures of every AR head on one padded batch (codebook 0 (B, T), pad 1024)."""
-    g = getattr(model, "ar_group_size", 1)
+    g = model.ar_group_size
     if g > 1:  # grouped code modeling: one AR position per group of G frames
         audio_lens = torch.div(audio_lens, g, rounding_mode="floor")
         t = int(audio_lens.max()) * g

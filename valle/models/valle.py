@@ -513,22 +513,8 @@ class _VALLEBase(nn.Module):
             p = pair[1].to(audio_lens.dtype)
             codes0, audio_lens = pack_sequences(pair[0][..., None], p, codes0[..., None], audio_lens, eos)
             codes0 = codes0[..., 0]
-        if self.ar_group_size > 1:
-            inputs, targets, n_in = self._ar_group_layout(codes0, audio_lens)
-            in_valid = _lengths_to_valid(n_in, inputs.shape[1])
-        else:
-            bsz, t_max = codes0.shape[0], codes0.shape[1]
-            y = codes0.masked_fill(~_lengths_to_valid(audio_lens, t_max), eos)
-            eos_col = y.new_full((bsz, 1), eos)
-            if self.prepend_bos:
-                inputs = torch.cat([y.new_full((bsz, 1), eos + 1), y], dim=1)
-                targets = torch.cat([y, eos_col], dim=1)
-                n_in = audio_lens + 1
-            else:
-                # Frame 0 is always given (by the prompt at inference), never predicted.
-                inputs, targets, n_in = y, torch.cat([y[:, 1:], eos_col], dim=1), audio_lens
-            in_valid = _lengths_to_valid(n_in, inputs.shape[1])
-            targets = targets.masked_fill(~in_valid, IGNORE)
+        inputs, targets, n_in = self._ar_group_layout(codes0, audio_lens)
+        in_valid = _lengths_to_valid(n_in, inputs.shape[1])
         if p is not None:  # targets inside the prompt are context, not loss
             first_target = p if self.prepend_bos else p - 1
             cols = torch.arange(targets.shape[1], device=targets.device)[None, :]
@@ -546,7 +532,7 @@ class _VALLEBase(nn.Module):
 
     def _ar_group_layout(self, codes0, audio_lens):
         """Teacher-forced AR rows in groups of G frames: inputs (B, L, G), targets (B, L, G)
-        (IGNORE after each row's EOS), valid input groups per row (B,).
+        (IGNORE after each row's EOS), valid input groups per row (B,); (B, L) when G = 1.
 
         The frames and then EOS, cut into groups: input group i predicts group i + 1. The
         first group is given (by the prompt at inference), as frame 0 is when G = 1; with
@@ -563,9 +549,13 @@ class _VALLEBase(nn.Module):
         targets = y.masked_fill(beyond_eos, IGNORE).view(bsz, n_groups, g)
         n_in = torch.div(audio_lens, g, rounding_mode="floor")
         if self.prepend_bos:
-            bos = groups.new_full((bsz, 1, g), eos + 1)
-            return torch.cat([bos, groups[:, :-1]], dim=1), targets, n_in + 1
-        return groups[:, :-1], targets[:, 1:], n_in
+            inputs = torch.cat([groups.new_full((bsz, 1, g), eos + 1), groups[:, :-1]], dim=1)
+            n_in = n_in + 1
+        else:
+            inputs, targets = groups[:, :-1], targets[:, 1:]
+        if g == 1:  # one frame per position: the plain (B, L) layout
+            return inputs[..., 0], targets[..., 0], n_in
+        return inputs, targets, n_in
 
     def _nar_layout(self, codes, audio_lens, sample_seeds, prompt, prompt_lens):
         """Per-row NAR input: packed codes, prompt length, valid length, loss mask."""
