@@ -20,8 +20,10 @@ pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
 
 def _git(repo: Path, *cmd: str) -> None:
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *cmd], cwd=repo,
-                   check=True, capture_output=True)  # fmt: skip
+    # A timeout, so a git that waits (a prompt, a lock) fails the test instead of freezing CI;
+    # no signing, so a machine-wide commit.gpgsign does not decide the outcome.
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false",
+                    *cmd], cwd=repo, check=True, capture_output=True, timeout=60)  # fmt: skip
 
 
 def _commit(repo: Path, path: str, text: str) -> None:
