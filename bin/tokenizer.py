@@ -27,19 +27,12 @@ from pathlib import Path
 # Runs as a script from a checkout without installation, too.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from valle.args import str2bool  # noqa: E402
 from valle.data import validation as V  # noqa: E402
 
 logger = logging.getLogger("tokenizer")
 
 TEXT_TOKENS_FILE = "unique_text_tokens.k2symbols"
-
-
-def _bool(v: str) -> bool:
-    if v.lower() in ("1", "true", "yes"):
-        return True
-    if v.lower() in ("0", "false", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {v!r}")
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -61,7 +54,7 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--encodec-checkpoint", default=None,
                    help="EnCodec 24 kHz state dict (default: the torch hub cache, downloaded with a "
                         "hash check when missing and the network is there)")
-    p.add_argument("--download-encodec", type=_bool, default=True,
+    p.add_argument("--download-encodec", type=str2bool, default=True,
                    help="fetch the official weights into the hub cache when missing")
     p.add_argument("--allow-random-encodec", action="store_true",
                    help="use a randomly initialised EnCodec when no weights are found (tests/demos: noise)")

@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
+from valle.args import DTYPES, str2bool
+
 logger = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
 TSV_COLUMNS = ("prompt_text", "prompt_wav", "text", "out_wav")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BEST_CHECKPOINT = "best-valid-loss.pt"
 
 
@@ -60,12 +61,6 @@ class RunResult:
 
 
 # ------------------------------------------------------------------- arguments
-def _bool_flag(value: str) -> bool:
-    from valle.models import str2bool
-
-    return str2bool(value)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Zero-shot TTS with a VALL-E/VALL-F checkpoint (ours or lifeiteng/vall-e's).",
@@ -118,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of silence between joined sentences")  # fmt: skip
     g.add_argument("--batch-size", type=int, default=1,
                    help="texts decoded together (faster; sampled rows then depend on their batch)")  # fmt: skip
-    p.add_argument("--continual", type=_bool_flag, nargs="?", const=True, default=False,
+    p.add_argument("--continual", type=str2bool, nargs="?", const=True, default=False,
                    help="resynthesise the prompt audio: codebook 0 from it, the NAR predicts "
                         "the rest; --text-prompts is its whole transcript and --text is not used")  # fmt: skip
     p.add_argument(

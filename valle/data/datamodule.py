@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from valle.args import str2bool
 from valle.data import validation as V
 
 logger = logging.getLogger(__name__)
@@ -76,14 +77,6 @@ def resolve_max_text_tokens(args: argparse.Namespace) -> int | None:
         logger.info("--max-text-tokens %d", value)
     args.max_text_tokens = value
     return value
-
-
-def _str2bool(v: str) -> bool:
-    if v.lower() in ("1", "true", "yes", "y"):
-        return True
-    if v.lower() in ("0", "false", "no", "n"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
 
 
 def worker_context():
@@ -182,7 +175,7 @@ class TtsDataModule:
         g.add_argument("--shuffle", dest="shuffle", action="store_true", default=True)
         g.add_argument("--no-shuffle", dest="shuffle", action="store_false")
         g.add_argument("--buffer-size", type=int, default=40000)
-        g.add_argument("--drop-last", type=_str2bool, default=False)
+        g.add_argument("--drop-last", type=str2bool, default=False)
         g.add_argument("--num-workers", type=int, default=2)
         g.add_argument("--max-prompt-duration", type=float, default=3.0,
                        help="prompt seconds: --prefix-mode 4 cuts a neighbouring utterance to this; "

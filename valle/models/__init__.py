@@ -6,6 +6,8 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
+from valle.args import str2bool
+
 from .valle import (
     NAR_HEAD_TIES,
     NAR_POSITION_SCALES,
@@ -45,15 +47,6 @@ LEGACY_HPARAMS: dict[str, Any] = dict(
 _MODEL_CLASSES = {"valle": VALLE, "vall-e": VALLE, "vallf": VALLF, "vall-f": VALLF}
 
 
-def str2bool(value: str | bool) -> bool:
-    if isinstance(value, bool):
-        return value
-    v = value.strip().lower()
-    if v in ("1", "true", "t", "yes", "y", "on"):
-        return True
-    if v in ("0", "false", "f", "no", "n", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {value!r}")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from valle.args import str2bool
+
 from . import LEGACY_HPARAMS, TRAINING_HPARAMS, model_hparams
 from .valle import NUM_AUDIO_TOKENS
 
@@ -195,7 +197,7 @@ def _lifeiteng_hparams(state, params: Mapping[str, Any], name: str) -> dict[str,
             f"{name}: a lifeiteng/vall-e checkpoint without its hyper-parameters "
             f"({', '.join(missing)} missing at the top level)"
         )
-    if _truthy(params["add_prenet"]):
+    if str2bool(params["add_prenet"]):
         raise CheckpointError(
             f"{name}: lifeiteng --add-prenet true checkpoints are not supported (its prenets use "
             "BatchNorm, ours LayerNorm: the weights do not carry over)"
@@ -209,7 +211,7 @@ def _lifeiteng_hparams(state, params: Mapping[str, Any], name: str) -> dict[str,
     hp.update(tie_ar_head=False, positions="interleaved", nar_position_scale="fixed",
               nar_head_tie="lifeiteng", dropout=0.1)  # fmt: skip
     q = int(hp["num_quantizers"])
-    if _truthy(hp["share_embedding"]) and q > 1:
+    if str2bool(hp["share_embedding"]) and q > 1:
         # Tied as lifeiteng ties them? (stage j's head is codebook j+1's table.)
         tied = all(
             torch.equal(state[f"nar_predict_layers.{j}.weight"],
@@ -225,8 +227,3 @@ def _lifeiteng_hparams(state, params: Mapping[str, Any], name: str) -> dict[str,
     out["source_format"] = "lifeiteng"
     return out
 
-
-def _truthy(v: Any) -> bool:
-    if isinstance(v, str):
-        return v.strip().lower() in ("1", "true", "t", "yes", "y", "on")
-    return bool(v)

@@ -8,18 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from valle.args import DTYPE_NAMES, str2bool
 from valle.train.resilience.faults import FaultSpec, parse_fault
 from valle.train.resilience.gradsync import SYNC_MODES
-
-
-def str2bool(value: str | bool) -> bool:
-    if isinstance(value, bool):
-        return value
-    if value.lower() in ("1", "true", "yes", "y", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "n", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {value!r}")
 
 
 @dataclass
@@ -98,7 +89,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: no limit)")
     g.add_argument("--seed", type=int, default=42)
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    g.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     g.add_argument("--optimizer-name", default="ScaledAdam", choices=("ScaledAdam", "AdamW", "Adam"))
     g.add_argument("--scheduler-name", default="Eden", choices=("Eden", "Noam", "Cosine"))
     g.add_argument("--base-lr", type=float, default=0.05)

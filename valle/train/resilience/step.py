@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from valle.args import autocast_dtype
 from valle.train.batching import (
     Batch,
     batch_size,
@@ -89,7 +90,6 @@ _FAILED, _DONE, _FRAMES, _CUTS, _GIVE_UP = range(5)
 _HOST0 = 5
 _SUMS = 1 + len(METRIC_KEYS) + 1  # loss, metrics, gradient norm
 
-AUTOCAST_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class NoHealthyRankError(RuntimeError):
@@ -217,7 +217,7 @@ class ResilientStep:
         self.reserve = BackwardReserve(self.device, cfg.backward_reserve_mb)
         if hasattr(model, "nar_forward_context"):
             model.nar_forward_context = self.reserve.held
-        self.autocast_dtype = AUTOCAST_DTYPES[cfg.dtype]
+        self.autocast_dtype = autocast_dtype(cfg.dtype)
         self.state_damaged = False  # this rank's optimizer/averager state needs repair
         self._give_up: str | None = None  # why this rank says the GPU is the problem
         self._split = 1
