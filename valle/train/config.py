@@ -188,5 +188,10 @@ def validate_config(cfg: TrainConfig) -> None:
             "(use bfloat16 or float32 to train on CPU)")
     if cfg.save_every_n < 1 or cfg.valid_interval < 1 or cfg.log_interval < 1:
         bad("--save-every-n/--valid-interval/--log-interval", "must be >= 1")
+    for spec in cfg.inject_fault:
+        if spec.phase == "grad_sync" and cfg.grad_sync == "ddp":
+            bad("--inject-fault", f"{spec}: --grad-sync ddp has no grad_sync point (DDP "
+                "all-reduces inside backward; backward@STEP tests that), use --grad-sync "
+                "overlap or after-backward")
     if cfg.synthetic_data == 0 and not cfg.args.get("manifest_dir"):
         bad("--manifest-dir", "no corpus given (or pass --synthetic-data N to train on synthetic cuts)")

@@ -84,6 +84,7 @@ class TrainSummary:
     epochs: list[dict[str, Any]] = field(default_factory=list)
     fingerprints: dict[str, int] = field(default_factory=dict)
     final_loss: float = float("nan")
+    unfired_faults: list[str] = field(default_factory=list)  # --inject-fault specs that never fired here
     model_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # not in the JSON
 
     def to_json(self) -> dict[str, Any]:
@@ -131,15 +132,18 @@ def train(cfg: TrainConfig) -> TrainSummary:
         with faults.phase_scope("startup"):
             run = build_run_agreed(cfg, ctx, faults)
         try:
-            return train_epochs(run)
+            summary = train_epochs(run)
         finally:
             run.watchdog.close()
             run.tb.close()
             run.stepper.sync.close()
     finally:
         faults.stop()
+        unfired = faults.warn_unfired()  # on every exit: a fault that did nothing is said
         if cfg.count_allocations:
             write_census(Path(cfg.count_allocations), faults, ctx.rank)
+    summary.unfired_faults = unfired
+    return summary
 
 
 class StartupError(RuntimeError):

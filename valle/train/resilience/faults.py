@@ -1,8 +1,14 @@
 """Fault injection: make a chosen phase of a chosen step fail, on chosen ranks.
 
-`--inject-fault PHASE@STEP[xK][:RANKS]` raises `torch.OutOfMemoryError` at PHASE on
-the first attempt of optimizer step STEP only (a one-off, like a fragmentation
-spike; with xK, on K passes, e.g. every local retry of an update). `--inject-fault PHASE@cut=ID` raises whenever cut ID is in the
+`--inject-fault PHASE@STEP[xK][:RANKS]` raises `torch.OutOfMemoryError` the first time
+optimizer step STEP passes PHASE (a one-off, like a fragmentation spike; with xK, on
+the first K passes, e.g. every local retry of an update). "First time" counts passes,
+not attempts: when an earlier failure in the same step keeps attempt 0 from reaching
+PHASE, the fault fires in the retry that does, so no fault is shadowed by another.
+A fault that never fired by the end of the run (its step never ran on that rank, its
+cut was never drawn) is logged as a warning naming it.
+
+`--inject-fault PHASE@cut=ID` raises whenever cut ID is in the
 micro-batch (a batch that can never fit), so the retry splits until the cut is
 alone and ends in quarantine. `stall@STEP[:RANKS]` sleeps inside the step so the
 watchdog can be tested. With `--inject-fault-real` on CUDA, memory is really
@@ -27,7 +33,7 @@ import signal
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -54,9 +60,13 @@ class FaultSpec:
     ranks: frozenset[int] | None = None  # None: every rank
     nth: int = 0  # alloc: the Nth allocating op of the step (1-based)
     times: int = 1  # PHASE@STEPxK: fire on K passes through the phase (e.g. every update retry)
+    text: str = field(default="", compare=False)  # the flag as given, for messages
 
     def applies_to_rank(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
+
+    def __str__(self) -> str:
+        return self.text or repr(self)
 
 
 def parse_fault(text: str) -> FaultSpec:
@@ -82,7 +92,7 @@ def parse_fault(text: str) -> FaultSpec:
             raise fail("alloc takes STEP:N, not a cut")
         if phase not in CUT_PHASES:
             raise fail(f"a cut target only works for {', '.join(CUT_PHASES)}")
-        return FaultSpec(phase=phase, cut_id=cut_id)
+        return FaultSpec(phase=phase, cut_id=cut_id, text=text)
     nth = 0
     if phase == "alloc":
         step_text, _, rest = where.partition(":")
@@ -107,7 +117,7 @@ def parse_fault(text: str) -> FaultSpec:
         raise fail("N must be >= 1")
     if times < 1:
         raise fail("xK needs K >= 1")
-    return FaultSpec(phase=phase, step=step, ranks=ranks, nth=nth, times=times)
+    return FaultSpec(phase=phase, step=step, ranks=ranks, nth=nth, times=times, text=text)
 
 
 class FaultInjector:
@@ -128,6 +138,7 @@ class FaultInjector:
         self.attempt = 0
         self.phase = "idle"  # where the trainer is now: reports and the allocation census
         self.fired: list[tuple[str, int, int]] = []  # (phase, step, attempt), for tests and logs
+        self._fire_counts: dict[FaultSpec, int] = {}  # passes each spec has fired on
         self.alloc_specs = [s for s in self.specs if s.phase == "alloc"]
         self.allocations = 0  # allocating ops counted in the current step window
         self.census: dict[int, list[tuple[str, str]]] | None = None  # step -> [(phase, op)]
@@ -201,31 +212,48 @@ class FaultInjector:
             self.census.setdefault(self.step, []).append((self.phase, op_name))
         for spec in self.alloc_specs:
             if (spec.step == self.step and spec.nth == self.allocations
-                    and ("alloc", self.step, spec.nth) not in self.fired):
+                    and not self._fire_counts.get(spec)):
+                self._fire_counts[spec] = 1
                 self.fired.append(("alloc", self.step, spec.nth))
                 raise InjectedOutOfMemoryError(
                     f"injected OOM: allocation #{spec.nth} ({op_name}) of step {self.step} in "
                     f"phase {self.phase}, attempt {self.attempt}, rank {self.rank}")
 
     def _should_fire(self, phase: str, cut_ids: Sequence[str] | None) -> bool:
+        """Whether a spec targets this pass through `phase`; counts the pass as fired."""
         for spec in self.specs:
             if spec.phase != phase:
                 continue
             if spec.cut_id is not None:
-                if cut_ids is not None and spec.cut_id in cut_ids:
-                    return True
-            elif (spec.step == self.step and self.attempt == 0
-                  and self.fired.count((phase, self.step, self.attempt)) < spec.times):
-                # Once per step (or K times with xK): the recovery path must be able to
-                # pass the same point.
+                hit = cut_ids is not None and spec.cut_id in cut_ids
+            else:
+                # The first K passes of the step, whichever attempt makes them: the
+                # recovery path must be able to pass the same point afterwards.
+                hit = spec.step == self.step and self._fire_counts.get(spec, 0) < spec.times
+            if hit:
+                self._fire_counts[spec] = self._fire_counts.get(spec, 0) + 1
+                self.fired.append((phase, self.step, self.attempt))
                 return True
         return False
+
+    def unfired(self) -> list[FaultSpec]:
+        """The specs for this rank that have not fired (yet): said at the end of a run,
+        so a fault point that does nothing never passes silently."""
+        return [s for s in self.specs if not self._fire_counts.get(s)]
+
+    def warn_unfired(self) -> list[str]:
+        """Log one warning per fault that never fired on this rank; return their texts."""
+        names = [str(spec) for spec in self.unfired()]
+        for name in names:
+            logger.warning("--inject-fault %s never fired on rank %d: its step did not run "
+                           "here (the run ended at step %d) or its point was not reached "
+                           "(no batch on this rank, cut never drawn)", name, self.rank, self.step)
+        return names
 
     def maybe_fail(self, phase: str, cut_ids: Sequence[str] | None = None, device=None) -> None:
         """Raise an OOM here if a spec targets this phase now."""
         if not self.specs or not self._should_fire(phase, cut_ids):
             return
-        self.fired.append((phase, self.step, self.attempt))
         if self.real and device is not None and torch.device(device).type == "cuda":
             exhaust_cuda_memory(device)  # raises the allocator's own OutOfMemoryError
         raise InjectedOutOfMemoryError(
@@ -234,19 +262,16 @@ class FaultInjector:
 
     def maybe_stall(self) -> None:
         if self.specs and self._should_fire("stall", None):
-            self.fired.append(("stall", self.step, self.attempt))
             logger.warning("injected stall: sleeping %.0f s at step %d", self.stall_seconds, self.step)
             time.sleep(self.stall_seconds)
 
     def poison_loss(self, loss: torch.Tensor) -> torch.Tensor:
         if self.specs and self._should_fire("nonfinite", None):
-            self.fired.append(("nonfinite", self.step, self.attempt))
             return loss * float("nan")
         return loss
 
     def poison_grad(self, loss: torch.Tensor) -> torch.Tensor:
         if self.specs and self._should_fire("nonfinite_grad", None):
-            self.fired.append(("nonfinite_grad", self.step, self.attempt))
             return _NanGradient.apply(loss)
         return loss
 
@@ -271,7 +296,6 @@ class FaultInjector:
                 and self._should_fire(phase, cut_ids)):
             yield
             return
-        self.fired.append((phase, self.step, self.attempt))
         hog = fill_cuda_memory(device, leave_bytes=16 << 20)
         try:
             yield
