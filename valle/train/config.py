@@ -57,6 +57,7 @@ class TrainConfig:
     count_allocations: str = ""  # the sweep's dry run: write the per-step census here
     inject_fault: list[FaultSpec] = field(default_factory=list)
     inject_fault_real: bool = False
+    preempt_grace_s: float = 25.0  # SIGTERM/SIGUSR1 -> save at the next step boundary within this
     check_consistency_every: int = 0
     collective_timeout: float = 300.0
     stall_factor: float = 10.0
@@ -139,6 +140,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--inject-fault", action="append", default=[], type=parse_fault,
                    metavar="PHASE@STEP[xK][:RANKS]|PHASE@cut=ID|alloc@STEP:N[:RANKS]")
     r.add_argument("--inject-fault-real", type=str2bool, default=False)
+    r.add_argument("--preempt-grace-s", type=float, default=25.0,
+                   help="after SIGTERM/SIGUSR1: stop at the next step boundary, save, exit 17; "
+                        "exit 18 without saving if that takes longer than this (torchrun kills "
+                        "its workers 30 s after forwarding SIGTERM); 0: no deadline")
     r.add_argument("--check-consistency-every", type=int, default=0)
     r.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")
     r.add_argument("--stall-factor", type=float, default=10.0)

@@ -34,6 +34,7 @@ from valle.train.data import TrainData, build_train_data
 from valle.train.dist import DistContext, init_distributed, shutdown
 from valle.train.metrics import MetricsTracker, TensorBoardLogger, ThroughputMeter, setup_logging
 from valle.train.optim import build_optimizer, build_scheduler
+from valle.train.preemption import EXIT_PREEMPT_TIMEOUT, EXIT_PREEMPTED, Preemption
 from valle.train.resilience.channel import VOTE_SLOTS, ControlChannel
 from valle.train.resilience.faults import FaultInjector
 from valle.train.resilience.gradsync import build_grad_sync
@@ -85,6 +86,7 @@ class TrainSummary:
     fingerprints: dict[str, int] = field(default_factory=dict)
     final_loss: float = float("nan")
     unfired_faults: list[str] = field(default_factory=list)  # --inject-fault specs that never fired here
+    preempted: bool = False  # stopped by a preemption signal after a checkpoint (exit 17)
     model_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # not in the JSON
 
     def to_json(self) -> dict[str, Any]:
@@ -114,6 +116,7 @@ class Run:
     scale_warned: bool = False
     steps_per_epoch: int = 0  # learnt from the first full epoch, for the ETA
     resumed: bool = False
+    preemption: Preemption = field(default_factory=lambda: Preemption(0.0))
 
 
 def train(cfg: TrainConfig) -> TrainSummary:
@@ -128,9 +131,14 @@ def train(cfg: TrainConfig) -> TrainSummary:
     if cfg.count_allocations:
         faults.count_allocations()
     faults.start()
+    # Before set-up: a signal while the model loads must not kill the process either.
+    preemption = Preemption(cfg.preempt_grace_s, ctx.rank)
+    preemption.install()
     try:
         with faults.phase_scope("startup"):
             run = build_run_agreed(cfg, ctx, faults)
+        run.preemption = preemption
+        run.stepper.stop_requested = preemption.requested
         try:
             summary = train_epochs(run)
         finally:
@@ -138,6 +146,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
             run.tb.close()
             run.stepper.sync.close()
     finally:
+        preemption.uninstall()
         faults.stop()
         unfired = faults.warn_unfired()  # on every exit: a fault that did nothing is said
         if cfg.count_allocations:
@@ -189,6 +198,7 @@ def train_epochs(run: Run) -> TrainSummary:
         logger.info("pessimistic scan skipped: resuming a run that already passed it")
     meter = ThroughputMeter()
     totals = MetricsTracker()
+    stopping = False  # a preemption was voted: save at this step boundary and return
     for epoch in range(run.epoch, cfg.num_epochs + 1):
         run.epoch = epoch
         account = EpochAccount()
@@ -201,6 +211,9 @@ def train_epochs(run: Run) -> TrainSummary:
             with run.watchdog.step(run.step):
                 result = run.stepper.run(run.step, batch, initial_split=cfg.accumulate_grad_steps)
             account.add(result)
+            stopping = stopping or result.stop_requested
+            if stopping:
+                run.preemption.note_vote()
             if result.all_done:
                 break
             run.step += 1
@@ -208,6 +221,8 @@ def train_epochs(run: Run) -> TrainSummary:
             meter.step()
             totals.update(step_metrics(result))
             log_trained_cuts(run, result)
+            if stopping:
+                break  # every rank: the same vote said so
             if run.step % cfg.log_interval == 0:
                 log_progress(run, totals, meter)
                 summary.final_loss = totals.normalized().get("loss", float("nan"))
@@ -220,6 +235,8 @@ def train_epochs(run: Run) -> TrainSummary:
                 save(run, f"checkpoint-{run.step}.pt")
             if cfg.max_steps and run.step >= cfg.max_steps:
                 break
+        if stopping and not result.all_done:
+            return preempted(run, summary, account)
         run.scheduler.step_epoch(epoch)
         run.steps_per_epoch = run.steps_per_epoch or account.steps
         summary.epochs.append(close_epoch(run, epoch, account))
@@ -232,6 +249,8 @@ def train_epochs(run: Run) -> TrainSummary:
         if cfg.max_steps and run.step >= cfg.max_steps:
             break
         save(run, f"epoch-{epoch}.pt", next_epoch=True)
+        if stopping:  # the epoch's own checkpoint is the one to resume from
+            return preempted(run, summary, account=None)
     run.stepper.flush()
     logger.info("done: %d steps, last logged loss %.4f; checkpoints, logs and TensorBoard in %s",
                 run.step, summary.final_loss, run.cfg.exp_dir)
@@ -239,6 +258,19 @@ def train_epochs(run: Run) -> TrainSummary:
     run.stepper.local("summary", lambda: summary.fingerprints.update(run.stepper.fingerprints()))
     summary.model_state = run.model.state_dict()
     write_json(run.cfg.exp_dir / f"summary-rank{run.ctx.rank}.json", summary.to_json())
+    return summary
+
+
+def preempted(run: Run, summary: TrainSummary, account: EpochAccount | None) -> TrainSummary:
+    """Stop at this step boundary: one checkpoint (unless the epoch's was just written),
+    then the caller exits with EXIT_PREEMPTED. The epoch is not closed: its summary is
+    written by the resumed run, which continues it from the sampler's position."""
+    if account is not None:
+        save(run, f"checkpoint-{run.step}.pt")
+    logger.warning("preempted: stopped after step %d with a checkpoint; run the same command "
+                   "to resume (exit code %d)", run.step, EXIT_PREEMPTED)
+    summary.steps, summary.preempted = run.step, True
+    summary.model_state = run.model.state_dict()
     return summary
 
 
@@ -430,7 +462,7 @@ def save(run: Run, name: str, next_epoch: bool = False) -> None:
 def validate(run: Run) -> dict[str, float]:
     """Each rank runs its own shard without collectives; one vote at the end."""
     with run.stepper.faults.host_work():
-        batches = run.data.valid_batches()
+        batches = run.preemption.until_requested(run.data.valid_batches())
     result = run.stepper.validate(batches)
     values = MetricsTracker({**result.metrics, "loss": result.loss * result.frames,
                              "frames": result.frames}).normalized()
@@ -438,7 +470,10 @@ def validate(run: Run) -> dict[str, float]:
     logger.info("validation at step %d: loss %.4f over %d batches (%d skipped: out of memory)",
                 run.step, result.loss, result.batches, result.oom_batches)
     run.tb.scalars(run.step, values, prefix="valid/")
-    if result.loss < run.best_valid:
+    if run.preemption.requested():
+        logger.warning("validation at step %d cut short on this rank by a preemption signal: "
+                       "not a best-model candidate", run.step)
+    elif result.loss < run.best_valid:
         run.best_valid = result.loss
         if run.ctx.is_main:
             run.stepper.local("checkpoint", lambda: save_best(
@@ -550,6 +585,9 @@ EXIT_CODES = {
     "PeerFailure": 14,
     "OomNotDataError": 15,
     "StartupError": 16,
+    # not failures: a preemption signal (valle/train/preemption.py)
+    "Preempted": EXIT_PREEMPTED,
+    "PreemptGraceExpired": EXIT_PREEMPT_TIMEOUT,
 }
 _PEER_FAILURE_MARKERS = ("Timed out", "timed out", "Connection reset", "Connection closed",
                          "pair closure", "NCCL communicator was aborted")
@@ -565,7 +603,7 @@ def main_from_config(cfg: TrainConfig) -> int:
     )
 
     try:
-        train(cfg)
+        summary = train(cfg)
     except (NoHealthyRankError, DdpBackwardOomError, ConsistencyError, BatchTooLargeError,
             OomNotDataError, StartupError) as e:
         logger.error("%s", e)
@@ -583,7 +621,7 @@ def main_from_config(cfg: TrainConfig) -> int:
                      cfg.collective_timeout, str(e).splitlines()[0])
         return EXIT_CODES["PeerFailure"]
     shutdown()  # success only: after a peer failure destroying the group can block
-    return 0
+    return EXIT_PREEMPTED if summary.preempted else 0
 
 
 __all__ = ["train", "TrainSummary", "main_from_config", "Run", "EpochAccount", "EXIT_CODES"]

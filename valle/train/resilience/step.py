@@ -86,8 +86,8 @@ METRIC_KEYS = ("ar_loss", "nar_loss", "ar_top10_correct", "ar_frames", "nar_top1
                "nar_frames")
 # The vote vector: host-written slots, then one per rank ("state damaged"), then the
 # device-written sums.
-_FAILED, _DONE, _FRAMES, _CUTS, _GIVE_UP = range(5)
-_HOST0 = 5
+_FAILED, _DONE, _FRAMES, _CUTS, _GIVE_UP, _STOP = range(6)
+_HOST0 = 6
 _SUMS = 1 + len(METRIC_KEYS) + 1  # loss, metrics, gradient norm
 
 
@@ -134,6 +134,7 @@ class Vote:
     cuts: int
     done: int
     give_up: int
+    stop: int  # ranks asking to stop after this step (a preemption signal)
     loss: float
     metrics: dict[str, float]
     bad_ranks: list[int]
@@ -155,6 +156,7 @@ class StepResult:
     ooms: int = 0
     attempts: int = 0
     repairs: int = 0
+    stop_requested: bool = False  # some rank asked to stop after this step (same on every rank)
 
 
 @dataclass
@@ -223,6 +225,8 @@ class ResilientStep:
         self._split = 1
         self._dry = False
         self._micro: Batch | None = None  # the micro-batch in flight (for reports)
+        # This rank's stop request (preemption), carried by the step's vote.
+        self.stop_requested: Callable[[], bool] = lambda: False
         self._host_slots = _HOST0 + ctx.world_size
         # Device-side sums of the vote, written in place during the attempt.
         self._sums = self.channel.device_slots(self._host_slots, _SUMS)
@@ -266,6 +270,7 @@ class ResilientStep:
             # Dropout masks etc. depend on (seed, step) only: a retry replays them.
             torch.manual_seed(sample_seed(self.cfg.seed, step, "") % (1 << 62))
             failure, vote = (self._attempt_ddp if self.is_ddp else self._attempt)(step, batch, split)
+            result.stop_requested |= vote.stop > 0
             if vote.give_up:
                 raise OomNotDataError(self._give_up_message(vote))
             if vote.bad_ranks:
@@ -611,13 +616,14 @@ class ResilientStep:
         host[_FRAMES] = float(frames)
         host[_CUTS] = float(cuts)
         host[_GIVE_UP] = float(self._give_up is not None)
+        host[_STOP] = float(self.stop_requested())
         host[_HOST0 + self.ctx.rank] = float(self.state_damaged)
         with self.faults.phase_scope("vote"):
             v = self.channel.reduce(host, used=self._host_slots + _SUMS)  # the one host sync
         sums = v[self._host_slots:]
         return Vote(
             failed=int(v[_FAILED]), frames=int(v[_FRAMES]), cuts=int(v[_CUTS]),
-            done=int(v[_DONE]), give_up=int(v[_GIVE_UP]), loss=sums[0],
+            done=int(v[_DONE]), give_up=int(v[_GIVE_UP]), stop=int(v[_STOP]), loss=sums[0],
             # NaN/inf on any rank makes the sum non-finite: no extra flag needed.
             nonfinite=not (math.isfinite(sums[0]) and math.isfinite(sums[-1])),
             metrics={k: sums[1 + i] for i, k in enumerate(METRIC_KEYS)},
