@@ -195,3 +195,86 @@ def test_two_ranks_train_from_shar_shards_and_see_every_cut_once_per_epoch(libri
         assert seen == expected, f"epoch {epoch}"
     # both ranks trained (shards are dealt per rank and per worker)
     assert all((exp / f"trained-cuts-rank{r}.tsv").read_text().strip() for r in range(2))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(420)
+def test_two_nodes_deal_shar_shards_over_four_ranks_and_restart_together(libritts, tmp_path):
+    """Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1) of 2 workers each
+    train from the Shar shards; rank 3 (node 1) is SIGKILLed in its first launch, both
+    agents restart their workers through --max-restarts and resume from the newest
+    checkpoint. Every cut is trained once per epoch across the 4 ranks, no step twice,
+    and the end equals one 4-rank torchrun's uninterrupted run."""
+    import re
+    import subprocess
+    import sys
+
+    import torch
+    from lhotse import CutSet
+
+    from valle.train.harness import clean_launch_env, free_port
+    from valle.train.scenarios import TINY_MODEL
+
+    data, _, _ = libritts
+    root = Path(__file__).resolve().parents[2]
+    epochs = 3
+
+    def trainer(exp: Path, *extra: str) -> list[str]:
+        return [str(root / "bin" / "trainer.py"), *TINY_MODEL, "--shar-dir",
+                str(data / "shar" / "train"), "--manifest-dir", str(data / "tokenized"),
+                "--dataset", "libritts", "--exp-dir", str(exp), "--num-epochs", str(epochs),
+                "--max-duration", "2.5", "--num-workers", "0", "--log-trained-cuts", "true",
+                "--train-stage", "1", "--valid-interval", "1000", "--save-every-n", "1",
+                "--log-interval", "1", *extra]
+
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "0.2"]
+    single = tmp_path / "one-node"
+    ref = subprocess.run([*launcher, "--standalone", "--nproc_per_node", "4", *trainer(single)],
+                         cwd=root, env=clean_launch_env(), capture_output=True, text=True,
+                         timeout=180)
+    assert ref.returncode == 0, ref.stderr[-4000:]
+
+    exp, port = tmp_path / "two-nodes", free_port()
+    nodes = [subprocess.Popen(
+        [*launcher, "--nnodes", "2", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes", "--max-restarts", "1",
+         *trainer(exp, "--inject-fault", "kill@2:3")],
+        cwd=root, env=clean_launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True) for _ in range(2)]
+    logs = []
+    try:
+        for node in nodes:
+            logs.append(node.communicate(timeout=240)[0])
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    text = "".join(logs)
+    assert [n.returncode for n in nodes] == [0, 0], text[-6000:]
+    assert "(3/4) injected kill" in text, "the fault never fired: this test would prove nothing"
+    # Every rank of both nodes restarted from the checkpoint written before the kill
+    # (save-every-n 1: the one after step 2, here the end of epoch 2).
+    resumed = sorted(re.findall(r"\((\d)/4\) resuming from \S+ \(step 2,", text))
+    assert resumed == ["0", "1", "2", "3"], text[-6000:]
+
+    expected = sorted(c.id for c in CutSet.from_file(data / "tokenized" / "libritts_cuts_train.jsonl.gz"))
+    steps_per_epoch = json.loads((exp / "epoch-1-summary-rank0.json").read_text())["steps"]
+    for rank in range(4):
+        rows = [line.split("\t") for line in (exp / f"trained-cuts-rank{rank}.tsv").read_text().splitlines()]
+        steps = [int(step) for step, _ in rows]
+        # save-every-n 1 and the kill inside step 2: nothing after the checkpoint was
+        # logged, so one increasing sequence means no step was trained twice
+        assert steps == list(range(epochs * steps_per_epoch)), (rank, steps)
+        assert rows == [line.split("\t") for line in
+                        (single / f"trained-cuts-rank{rank}.tsv").read_text().splitlines()]
+    for epoch in range(epochs):
+        seen = sorted(c for rank in range(4)
+                      for step, ids in (line.split("\t") for line in
+                                        (exp / f"trained-cuts-rank{rank}.tsv").read_text().splitlines())
+                      if int(step) // steps_per_epoch == epoch for c in ids.split(",") if c)
+        assert seen == expected, f"epoch {epoch + 1}"
+    a = torch.load(single / f"epoch-{epochs}.pt", map_location="cpu", weights_only=False)
+    b = torch.load(exp / f"epoch-{epochs}.pt", map_location="cpu", weights_only=False)
+    for name in a["model"]:
+        torch.testing.assert_close(b["model"][name], a["model"][name], rtol=1e-6, atol=1e-7)
+    assert a["sampler"] == b["sampler"]

@@ -130,7 +130,8 @@ class FaultInjector:
         real: bool = False,
         stall_seconds: float = 3600.0,
     ):
-        self.specs = [s for s in specs if s.applies_to_rank(rank)]
+        self.specs = [s for s in specs if s.applies_to_rank(rank)
+                      and not (s.phase == "kill" and _relaunched())]
         self.rank = rank
         self.real = real
         self.stall_seconds = stall_seconds
@@ -276,10 +277,8 @@ class FaultInjector:
         return loss
 
     def maybe_kill(self) -> None:
-        # Only in the first launch: after torchrun restarts the workers the run
-        # must be able to pass this step.
-        if (self.specs and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-                and self._should_fire("kill", None)):
+        # kill specs are dropped in a relaunch (see _relaunched).
+        if self.specs and self._should_fire("kill", None):
             logger.warning("injected kill: SIGKILL to myself at step %d", self.step)
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -301,6 +300,12 @@ class FaultInjector:
             yield
         finally:
             del hog
+
+
+def _relaunched() -> bool:
+    """Whether torchrun restarted this worker: a kill fault acts in the first launch
+    only, so that the restarted run can pass its step (and is not reported unfired)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
 
 
 def _allocates(func) -> bool:
