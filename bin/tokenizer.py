@@ -159,7 +159,8 @@ def check_sources(args, part: str, what: str) -> None:
 def run(args) -> int:
     import torch
 
-    from valle.data.audio import AudioTokenizer, resolve_device, resolve_encodec_weights
+    from valle.codec import resolve_codec_name
+    from valle.codec.encodec import AudioTokenizer, resolve_device, resolve_encodec_weights
     from valle.data.languages import espeak_voice
     from valle.data.manifests import ManifestError, load_cuts
     from valle.data.pipeline import PartTokenizer, export_shar, language_report
@@ -186,17 +187,11 @@ def run(args) -> int:
             continue
         todo.append(part)
     device = resolve_device(args.device)
-    if args.codec != "encodec":  # the codec factory (valle.codec); EnCodec keeps its own path below
-        from valle.codec import encodec_weights_present
-
-        if args.codec == "mel-rvq" or not encodec_weights_present(args.encodec_checkpoint):
-            args.codec = "mel-rvq"
+    args.codec = resolve_codec_name(args.codec, args.encodec_checkpoint)  # auto: encodec if its weights are here
     if todo and args.codec == "mel-rvq":
         from valle.codec import make_audio_tokenizer
 
         codec = make_audio_tokenizer("mel-rvq", args.output_dir, device="cpu")
-        runner = PartTokenizer(opts, codec, TextTokenizer(default_voice, backend=args.text_extractor),
-                               fixed_table)
     elif todo:
         weights = resolve_encodec_weights(args.encodec_checkpoint, args.allow_random_encodec,
                                           args.download_encodec)
@@ -209,6 +204,7 @@ def run(args) -> int:
                     opts.num_workers)
         codec = AudioTokenizer(device, weights, allow_random_weights=weights is None, seed=args.seed,
                                download=False)
+    if todo:
         runner = PartTokenizer(opts, codec, TextTokenizer(default_voice, backend=args.text_extractor),
                                fixed_table)
     args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -245,7 +241,7 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from valle.data.audio import EncodecWeightsError
+    from valle.codec.encodec import EncodecWeightsError
     from valle.data.languages import UnknownLanguageError
     from valle.data.manifests import ManifestError
 

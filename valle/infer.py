@@ -435,7 +435,7 @@ class Synthesizer:
         return torch.where(in_prompt, prompt_id, text_id)
 
     def _prompt_codes(self, items: list[Item]):
-        from valle.data.audio import load_audio_24k
+        from valle.codec.audio import load_audio_24k
 
         q = self.model.num_quantizers
         codes = []
@@ -610,7 +610,7 @@ def resolve_vocos(args: argparse.Namespace):
     """--decoder vocos: find the weights before any synthesis work (offline: a one-line error)."""
     if getattr(args, "decoder", "encodec") != "vocos":
         return None
-    from valle.vocos_decoder import VocosWeightsError, resolve_vocos_weights
+    from valle.codec.vocos import VocosWeightsError, resolve_vocos_weights
 
     try:
         return resolve_vocos_weights(args.vocos_checkpoint, args.allow_random_vocos)
@@ -621,7 +621,7 @@ def resolve_vocos(args: argparse.Namespace):
 def build_vocos(config: dict[str, Any], device, weights, args: argparse.Namespace):
     """Vocos only for EnCodec-coded corpora (refused for mel-rvq)."""
     from valle.codec import find_codec_record
-    from valle.vocos_decoder import VocosCodecError, VocosDecoder, check_codec_for_vocos
+    from valle.codec.vocos import VocosCodecError, VocosDecoder, check_codec_for_vocos
 
     found = find_codec_record(config)
     try:

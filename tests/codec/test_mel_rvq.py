@@ -29,7 +29,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def wavs() -> list[torch.Tensor]:
-    from valle.data.audio import to_mono_24k
+    from valle.codec.audio import to_mono_24k
     from valle.data.tiny import VOICES, EspeakSynth
 
     synth = EspeakSynth.get()

@@ -43,10 +43,3 @@ def tiny_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer_cli():
     return load_tokenizer_cli()
-
-
-@pytest.fixture(scope="session")
-def random_audio_tokenizer():
-    from valle.data.audio import AudioTokenizer
-
-    return AudioTokenizer(allow_random_weights=True, seed=0)

@@ -142,6 +142,63 @@ def test_restore_rejects_another_world_size(tiny_data):
         make_dm(tiny_data).train_dataloader(0, 1, sampler_state=dm.sampler_state())
 
 
+@pytest.fixture(scope="module")
+def tiny_shar(tiny_data, tmp_path_factory):
+    from valle.data.pipeline import export_shar
+
+    shar = tmp_path_factory.mktemp("shar")
+    export_shar(tiny_data / "tiny_cuts_train.jsonl.gz", shar, 8)
+    return shar
+
+
+def _state_after_one_batch(dm):
+    next(iter(dm.train_dataloader(0, 1)))
+    return dm.sampler_state()
+
+
+def test_restore_mid_epoch_from_shar_shards(tiny_data, tiny_shar):
+    reference = _resume_check(tiny_data, 0, 1, 1, "--shar-dir", str(tiny_shar))
+    assert len(reference) == len(set(reference)) > 1
+
+
+def test_a_sampler_state_resumes_only_the_data_source_that_saved_it(tiny_data, tiny_shar):
+    """--manifest-dir and --shar-dir deal cuts differently: a mid-epoch position of one would
+    silently resume the other at an unrelated place. Both ways are refused, naming the flags."""
+    manifest_state = _state_after_one_batch(make_dm(tiny_data))
+    shar_state = _state_after_one_batch(make_dm(tiny_data, "--shar-dir", str(tiny_shar)))
+    assert (manifest_state["source"], shar_state["source"]) == ("manifest", "shar")
+    assert manifest_state["batches_consumed"] == shar_state["batches_consumed"] == 1
+
+    with pytest.raises(ValueError, match="saved mid-epoch training from --manifest-dir; this run trains "
+                                         "from --shar-dir"):
+        make_dm(tiny_data, "--shar-dir", str(tiny_shar)).train_dataloader(0, 1, sampler_state=manifest_state)
+    with pytest.raises(ValueError, match="saved mid-epoch training from --shar-dir; this run trains "
+                                         "from --manifest-dir"):
+        make_dm(tiny_data).train_dataloader(0, 1, sampler_state=shar_state)
+    # States written before the "source" field: a Shar one said "shar": True, a manifest one nothing.
+    legacy_shar = {k: v for k, v in shar_state.items() if k != "source"} | {"shar": True}
+    with pytest.raises(ValueError, match="from --shar-dir; this run trains from --manifest-dir"):
+        make_dm(tiny_data).train_dataloader(0, 1, sampler_state=legacy_shar)
+    legacy_manifest = {k: v for k, v in manifest_state.items() if k != "source"}
+    with pytest.raises(ValueError, match="from --manifest-dir; this run trains from --shar-dir"):
+        make_dm(tiny_data, "--shar-dir", str(tiny_shar)).train_dataloader(0, 1, sampler_state=legacy_manifest)
+
+    # At an epoch boundary (epoch-N.pt) no position is kept: either source starts that epoch.
+    boundary = {**manifest_state, "epoch": 3, "batches_consumed": 0}
+    resumed = make_dm(tiny_data, "--shar-dir", str(tiny_shar)).train_dataloader(0, 1, sampler_state=boundary)
+    assert (resumed.epoch, resumed.batches_consumed) == (3, 0)
+
+
+def test_shar_state_checks_format_world_size_and_seed(tiny_data, tiny_shar):
+    """The Shar loader once skipped the format check the manifest loader made: one check now."""
+    shar_state = _state_after_one_batch(make_dm(tiny_data, "--shar-dir", str(tiny_shar)))
+    for bad, match in (({"format": "valle-sampler-0"}, "format 'valle-sampler-0'"),
+                       ({"world_size": 2}, "world size 2"), ({"seed": 8}, "--seed 8")):
+        with pytest.raises(ValueError, match=match):
+            make_dm(tiny_data, "--shar-dir", str(tiny_shar)).train_dataloader(
+                0, 1, sampler_state={**shar_state, **bad})
+
+
 def test_filters_are_reported_and_empty_result_names_the_filter(tiny_data):
     dm = make_dm(tiny_data, "--filter-max-duration", "2.0")
     dm.train_dataloader(0, 1)

@@ -11,7 +11,7 @@ import torch
 from data_testlib import tone
 from lhotse import Recording, RecordingSet, SupervisionSegment, SupervisionSet
 
-from valle.data import audio as A
+from valle.codec import encodec as E
 from valle.data.symbols import SymbolTable
 
 LANGS = [("English", "The cat sat."), ("French", "Le chat dort."), ("fr", "Il pleut."),
@@ -131,31 +131,22 @@ def test_truncated_manifest_is_one_line_naming_the_file(tmp_path, tokenizer_cli,
     assert len(err) == 1 and str(sup) in err[0] and "truncated or corrupt" in err[0]
 
 
+def _offline(url, dst, hash_prefix=None, progress=True):
+    raise OSError("URLError: offline")
+
+
 def test_missing_weights_fail_before_any_work(tmp_path, tokenizer_cli, capsys, monkeypatch):
     man = _manifests(tmp_path, LANGS[:2])
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
-    monkeypatch.setattr(A, "_download_checkpoint", lambda dest: "URLError: offline")
+    monkeypatch.setattr(torch.hub, "download_url_to_file", _offline)
     argv = _argv(man, tmp_path / "out")
     argv = [a for a in argv[: argv.index("--allow-random-encodec")]] + argv[argv.index("--num-jobs"):]
     assert tokenizer_cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
-    assert A.CHECKPOINT_NAME in err[0] and str(tmp_path / "hub" / "checkpoints") in err[0]
+    assert E.WEIGHTS.source.name in err[0] and str(tmp_path / "hub" / "checkpoints") in err[0]
     assert "--encodec-checkpoint" in err[0] and "offline" in err[0]
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
-
-
-def test_download_is_hash_checked_into_the_hub_cache(tmp_path, monkeypatch):
-    seen = {}
-
-    def fake_download(url, dst, hash_prefix=None, progress=True):
-        seen.update(url=url, hash_prefix=hash_prefix)
-        open(dst, "wb").close()
-
-    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
-    monkeypatch.setattr(torch.hub, "download_url_to_file", fake_download)
-    assert A.resolve_encodec_weights() == tmp_path / "checkpoints" / A.CHECKPOINT_NAME
-    assert seen == {"url": A.ENCODEC_URL, "hash_prefix": "d7cc33bc"}
 
 
 def test_progress_logs_rate_and_eta_without_a_terminal(caplog):

@@ -242,7 +242,7 @@ def test_lifeiteng_checkpoint_synthesises(setup, tmp_path, monkeypatch):
         config["source_format"] == "lifeiteng"
         and model.ar_text_embedding.weight.dtype == torch.bfloat16
     )
-    import valle.data.audio as audio
+    import valle.codec.encodec as audio
 
     monkeypatch.setattr(audio, "AudioTokenizer", lambda *a, **k: FakeCodec())
     try:  # the codec package (#13) picks the checkpoint's codec

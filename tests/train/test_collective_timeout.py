@@ -84,7 +84,7 @@ PROBE = textwrap.dedent("""
     import torch.distributed as dist
     from valle.train.dist import (DistContext, all_reduce_sum, barrier, broadcast_object,
                                   broadcast_tensors, gather_ints, init_distributed)
-    from valle.train.data import gather_rank_states
+    from valle.train.sampler_state import gather_rank_states
 
     timeout, out = float(sys.argv[1]), sys.argv[2]
     ctx = init_distributed("cpu", timeout)

@@ -1,8 +1,12 @@
 """Audio codecs behind one interface, and how a corpus records which one it was tokenized with.
 
-``encodec`` is ``valle.data.audio.AudioTokenizer`` (pretrained weights; never downloaded).
+``encodec`` is ``valle.codec.encodec.AudioTokenizer`` (pretrained weights; never downloaded).
 ``mel-rvq`` is ``valle.codec.mel_rvq.MelRvqCodec`` (fitted on the corpus itself, no weights).
-Both give 8 codebooks x 1024 codes at 75 frames/s from 24 kHz audio.
+Both give 8 codebooks x 1024 codes at 75 frames/s from 24 kHz audio (``valle.codec.constants``).
+Also here: ``encodec`` (the EnCodec tokenizer), ``vocos`` (a Vocos decoder for EnCodec codes),
+``weights`` (where pretrained weights come from), ``audio`` (waveforms at 24 kHz). How codes
+are stored as lhotse features is ``valle.data.codes``'s (valle.data uses valle.codec, never
+the reverse).
 
 Where the codec is recorded: ``bin/tokenizer.py`` writes ``audio_codec.json`` into its output
 directory (the manifest dir), next to the fitted state (``mel_rvq.pt``). The trainer copies
@@ -25,6 +29,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from valle.codec.constants import CODEBOOK_SIZE
+from valle.codec.weights import sha256_of
+
 logger = logging.getLogger(__name__)
 
 CODECS = ("encodec", "mel-rvq")
@@ -36,9 +43,9 @@ class CodecMismatchError(ValueError):
 
 
 def encodec_weights_present(checkpoint: str | os.PathLike | None = None) -> bool:
-    from valle.data.audio import hub_checkpoint_path
+    from valle.codec.encodec import WEIGHTS
 
-    return (checkpoint is not None and Path(checkpoint).is_file()) or hub_checkpoint_path().is_file()
+    return WEIGHTS.present(checkpoint)
 
 
 def resolve_codec_name(codec: str, encodec_checkpoint: str | os.PathLike | None = None) -> str:
@@ -62,7 +69,7 @@ def make_audio_tokenizer(codec: str, state_dir: str | os.PathLike | None = None,
         if state_dir is None:
             raise ValueError("--codec mel-rvq needs the directory holding mel_rvq.pt")
         return MelRvqCodec.load(Path(state_dir) / STATE_FILE, device=device)
-    from valle.data.audio import AudioTokenizer
+    from valle.codec.encodec import AudioTokenizer
 
     return AudioTokenizer(device, encodec_checkpoint, allow_random_encodec, seed)
 
@@ -110,24 +117,14 @@ def record_dirs_from_config(config: dict) -> list[Path]:
     return dirs
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _first_codebook_size(directory: str | os.PathLike, record: dict) -> int:
     if record["codec"] != "mel-rvq":
-        return 1024
+        return CODEBOOK_SIZE
     import torch
 
     state = Path(directory) / record.get("state", "")
     sizes = torch.load(state, map_location="cpu", weights_only=True).get("sizes") if state.is_file() else None
-    return int(sizes[0]) if sizes else 1024
+    return int(sizes[0]) if sizes else CODEBOOK_SIZE
 
 
 def first_codebook_size(directory: str | os.PathLike) -> int | None:
@@ -159,7 +156,7 @@ def codec_identity(directory: str | os.PathLike) -> dict | None:
     identity = dict(record)
     state = Path(directory) / record.get("state", "")
     if record["codec"] == "mel-rvq" and state.is_file():
-        identity["sha256"] = _sha256(state)
+        identity["sha256"] = sha256_of(state)
     return identity
 
 
@@ -173,7 +170,7 @@ def check_codec_identity(config: dict, directory: str | os.PathLike) -> None:
     if not want:
         return  # a checkpoint from before the hash was recorded, or EnCodec: nothing to compare
     state = Path(directory) / recorded.get("state", STATE_FILE)
-    have = _sha256(state) if state.is_file() else None
+    have = sha256_of(state) if state.is_file() else None
     if have != want:
         found = f"sha256 {have[:12]}" if have else "missing"
         raise CodecMismatchError(

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-SAMPLE_RATE = 24_000
-HOP_LENGTH = 320  # 75 frames/s, EnCodec's rate: the models are unchanged
+from valle.codec.constants import HOP_LENGTH, SAMPLE_RATE
+
 LOG_FLOOR = 1e-5
 
 

@@ -23,15 +23,14 @@ from pathlib import Path
 
 import torch
 
-from valle.codec.mel import HOP_LENGTH, SAMPLE_RATE, MelConfig, MelFrontend, MelInverter
+from valle.codec.constants import CODEBOOK_SIZE, HOP_LENGTH, NUM_QUANTIZERS, SAMPLE_RATE
+from valle.codec.mel import MelConfig, MelFrontend, MelInverter
 
 logger = logging.getLogger(__name__)
 
 NAME = "mel-rvq"
 STATE_FILE = "mel_rvq.pt"
 FORMAT = "valle-mel-rvq-1"
-NUM_QUANTIZERS = 8
-CODEBOOK_SIZE = 1024
 
 
 @dataclass
@@ -86,7 +85,7 @@ def kmeans(x: torch.Tensor, k: int, iterations: int, gen: torch.Generator) -> to
 
 # ----------------------------------------------------------------------------- the codec
 class MelRvqCodec:
-    """Same surface as ``valle.data.audio.AudioTokenizer`` (encode / decode / encode_batch)."""
+    """Same surface as ``valle.codec.encodec.AudioTokenizer`` (encode / decode / encode_batch)."""
 
     name = NAME
     feature_type = "mel_rvq"  # lhotse Features.type of the stored codes

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from valle.data.audio import NUM_AUDIO_TOKENS
+from valle.codec.constants import NUM_AUDIO_TOKENS
 from valle.data.symbols import SymbolTable
 from valle.data.text import TextTokenCollater
 

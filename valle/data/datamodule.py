@@ -2,9 +2,7 @@
 
 Mid-epoch resume: the state is (epoch, batches consumed by the trainer, world size, seed).
 Restoring rebuilds the same sampler, sets the epoch and skips the consumed batches without
-loading any features, so no cut is repeated or skipped. Counting batches the *trainer*
-consumed (not batches the sampler produced) keeps this correct when DataLoader workers
-prefetch ahead.
+loading any features, so no cut is repeated or skipped (``valle.data.loader``).
 """
 
 from __future__ import annotations
@@ -13,17 +11,15 @@ import argparse
 import json
 import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from valle.args import str2bool
 from valle.data import validation as V
+from valle.data.loader import ManifestLoader, ResumableLoader
 
 logger = logging.getLogger(__name__)
 
-STATE_FORMAT = "valle-sampler-1"
-BUDGET = "exceeds_batch_budget"
 # --max-text-tokens auto = ceil(TEXT_BUDGET_MARGIN x rate x --max-duration), rate = the
 # corpus's 99th-percentile text tokens per second (bos/eos included) measured by
 # bin/tokenizer.py ({dataset}_text_stats.json), else DEFAULT_TEXT_TOKENS_PER_SECOND
@@ -77,69 +73,6 @@ def resolve_max_text_tokens(args: argparse.Namespace) -> int | None:
         logger.info("--max-text-tokens %d", value)
     args.max_text_tokens = value
     return value
-
-
-def worker_context():
-    """DataLoader workers by fork where the platform has it (Linux's default, what torchrun
-    gives): a process that was itself started by spawn (multi-rank tests, notebooks) would
-    otherwise inherit spawn and re-import torch in every worker, every epoch (~10 s each)."""
-    import multiprocessing as mp
-
-    return "fork" if "fork" in mp.get_all_start_methods() else None
-
-
-class ResumableLoader:
-    """A DataLoader over a BudgetedSampler that counts the batches handed to the caller."""
-
-    def __init__(self, dataset, sampler, num_workers: int, world_size: int, rank: int, seed: int) -> None:
-        self.dataset = dataset
-        self.sampler = sampler
-        self.num_workers = num_workers
-        self.world_size = world_size
-        self.rank = rank
-        self.seed = seed
-        self.epoch = 0
-        self.batches_consumed = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.batches_consumed = 0
-        self.epoch = epoch
-        self.sampler.set_epoch(epoch)
-
-    def __iter__(self) -> Iterator[dict]:
-        import torch
-
-        self.sampler.skip_batches = self.batches_consumed
-        loader = torch.utils.data.DataLoader(
-            self.dataset, sampler=self.sampler, batch_size=None, num_workers=self.num_workers,
-            persistent_workers=False, multiprocessing_context=worker_context() if self.num_workers else None,
-        )
-        for batch in loader:
-            self.batches_consumed += 1
-            yield batch
-        # A finished epoch: the next iteration of the same epoch starts from the beginning.
-        self.batches_consumed = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "format": STATE_FORMAT, "epoch": self.epoch, "batches_consumed": self.batches_consumed,
-            "world_size": self.world_size, "rank": self.rank, "seed": self.seed,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"sampler state has format {state.get('format')!r}, expected {STATE_FORMAT!r}")
-        if state["world_size"] != self.world_size:
-            raise ValueError(
-                f"sampler state was saved with world size {state['world_size']} and cannot resume "
-                f"mid-epoch with {self.world_size}: the ranks' partitions differ (restart the epoch)"
-            )
-        if state["seed"] != self.seed:
-            raise ValueError(f"sampler state was saved with --seed {state['seed']}, now {self.seed}")
-        self.epoch = state["epoch"]
-        self.sampler.set_epoch(self.epoch)
-        self.batches_consumed = state["batches_consumed"]
 
 
 class TtsDataModule:
@@ -248,6 +181,10 @@ class TtsDataModule:
             max_text_tokens=self._arg("max_text_tokens"),
         )
 
+    def cut_filter(self) -> V.CutFilter:
+        flags = f"--max-duration {self.args.max_duration:g} / --max-text-tokens {self._arg('max_text_tokens')}"
+        return V.CutFilter(self.args.filter_min_duration, self.args.filter_max_duration, self.constraint(), flags)
+
     def load_cuts(self, part: str):
         """Lazy cuts of ``part`` filtered by duration and by the batch budget. Every removed cut
         is recorded in ``self.filter_report`` (written next to the checkpoints by the trainer).
@@ -256,17 +193,12 @@ class TtsDataModule:
         from lhotse import CutSet
 
         cuts = CutSet.from_jsonl_lazy(self.cuts_path(part))
-        lo, hi = self.args.filter_min_duration, self.args.filter_max_duration
-        constraint = self.constraint()
+        cut_filter = self.cut_filter()
         report = V.ValidationReport()
         keep_ids = set()
         for cut in cuts:
             report.checked += 1
-            bad = V.check_duration(cut.duration, lo, hi)
-            if bad is None and not constraint.single_fits(cut):
-                bad = (BUDGET, f"{cut.duration:.2f}s / {constraint.text_length(cut)} text tokens do not fit "
-                               f"--max-duration {self.args.max_duration:g} / --max-text-tokens "
-                               f"{self._arg('max_text_tokens')}")
+            bad = cut_filter.problem(cut)
             if bad is None:
                 keep_ids.add(cut.id)
             else:
@@ -274,13 +206,13 @@ class TtsDataModule:
         if report.entries:
             logger.warning("%s: filters removed %d of %d cuts (%s)", part, len(report), report.checked,
                            report.counts)
-        V.raise_if_nothing_left(len(keep_ids), report, lo, hi, what=f"cuts of {self.args.dataset} {part}")
+        V.raise_if_nothing_left(len(keep_ids), report, cut_filter.min_duration, cut_filter.max_duration, what=f"cuts of {self.args.dataset} {part}")
         self.filter_report.extend(report)
         self._kept[part] = len(keep_ids)
         return cuts.filter(_KeepIds(keep_ids))
 
     def _loader(self, part: str, rank: int, world_size: int, shuffle: bool, drop_last: bool,
-                prompts: bool) -> ResumableLoader:
+                prompts: bool) -> ManifestLoader:
         from lhotse.dataset import DynamicBucketingSampler
 
         from valle.data.collation import get_text_token_collater
@@ -305,13 +237,13 @@ class TtsDataModule:
             languages=self.languages(),
             paired_prompts=self._paired(),
         )
-        return ResumableLoader(dataset, BudgetedSampler(sampler, constraint), self.args.num_workers,
-                               world_size, rank, seed)
+        return ManifestLoader(dataset, BudgetedSampler(sampler, constraint), self.args.num_workers,
+                              world_size, rank, seed)
 
     def _shar_loader(self, rank: int, world_size: int):
         from valle.data.collation import get_text_token_collater
         from valle.data.dataset import SpeechSynthesisDataset
-        from valle.data.shar import SharLoader, SharTrainSet, _ReportingFilter, find_shards
+        from valle.data.shar import SharLoader, SharTrainSet, find_shards
 
         if self._prompts():
             flag = "--paired-prompts" if self._paired() else "--prefix-mode 4"
@@ -319,14 +251,12 @@ class TtsDataModule:
                              "train it from --manifest-dir, not --shar-dir")
         shards = find_shards(self.args.shar_dir)
         seed = int(self._arg("seed", 0) or 0)
-        constraint = self.constraint()
-        flags = (f"--max-duration {self.args.max_duration:g} / --max-text-tokens "
-                 f"{self._arg('max_text_tokens')}")
+        cut_filter = self.cut_filter()
         data = SharTrainSet(
             shards, SpeechSynthesisDataset(get_text_token_collater(self.text_tokens_path()),
-                                           languages=self.languages()), constraint,
+                                           languages=self.languages()), cut_filter.constraint,
             rank, world_size, seed, self.args.shuffle, self.args.num_buckets, self.args.buffer_size,
-            _ReportingFilter(self.args.filter_min_duration, self.args.filter_max_duration, constraint, flags),
+            cut_filter,
         )
         logger.info("training from %d Shar shard(s) in %s; rank %d of %d reads every %d-th",
                     len(shards), self.args.shar_dir, rank, world_size,
@@ -353,20 +283,21 @@ class TtsDataModule:
     def train_dataloader(self, rank: int = 0, world_size: int = 1,
                          sampler_state: dict[str, Any] | None = None) -> ResumableLoader:
         if self._arg("shar_dir"):
-            loader = self._shar_loader(rank, world_size)
-            if sampler_state is not None:
-                loader.load_state_dict(sampler_state)
-            self._train_loader = loader
-            return loader
+            return self._resume(self._shar_loader(rank, world_size), sampler_state)
         loader = self._loader(self._arg("train_part", "train"), rank, world_size,
                               shuffle=self.args.shuffle, drop_last=self.args.drop_last,
                               prompts=self._prompts())
+        return self._resume(loader, sampler_state)
+
+    def _resume(self, loader: ResumableLoader, sampler_state: dict[str, Any] | None) -> ResumableLoader:
+        """``loader`` at ``sampler_state``'s position (refused when it was saved by another
+        kind of loader mid-epoch, or another world size or seed); kept for ``sampler_state()``."""
         if sampler_state is not None:
             loader.load_state_dict(sampler_state)
         self._train_loader = loader
         return loader
 
-    def valid_dataloader(self, rank: int = 0, world_size: int = 1) -> ResumableLoader:
+    def valid_dataloader(self, rank: int = 0, world_size: int = 1) -> ManifestLoader:
         return self._loader(self._arg("valid_part", "dev"), rank, world_size, shuffle=False,
                             drop_last=False, prompts=self._prompts())
 

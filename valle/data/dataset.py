@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from valle.data.audio import FRAME_RATE
+from valle.codec.constants import FRAME_RATE
 from valle.data.collation import collate_audio_features, cut_text_symbols
 from valle.data.text import WORD_SEP, TextTokenCollater
 

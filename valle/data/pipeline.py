@@ -290,7 +290,7 @@ class PartTokenizer:
                      progress: Progress) -> list:
         from lhotse import NumpyHdf5Writer
 
-        from valle.data.audio import store_codes
+        from valle.data.codes import store_codes
 
         loader = torch.utils.data.DataLoader(
             AudioLoadDataset(cuts), batch_sampler=duration_batches(cuts, self.opts.batch_duration),

@@ -12,15 +12,15 @@ an empty gradient (docs/oom.md).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from valle.data import validation as V
+from valle.data.loader import ResumableLoader
 
 logger = logging.getLogger(__name__)
 
@@ -43,23 +43,6 @@ def find_shards(shar_dirs: str) -> list[dict[str, str]]:
             raise SharError(f"--shar-dir {d}: {len(cuts)} cuts shards but {len(feats)} features shards")
         shards += [{"cuts": str(c), "features": str(f)} for c, f in zip(cuts, feats)]
     return shards
-
-
-class _ReportingFilter:
-    """Duration and single-cut budget filter; every removed cut gets a log line (no global
-    first pass here: that would read the whole corpus on every rank)."""
-
-    def __init__(self, lo: float, hi: float, constraint, flags: str) -> None:
-        self.lo, self.hi, self.constraint, self.flags = lo, hi, constraint, flags
-
-    def __call__(self, cut) -> bool:
-        bad = V.check_duration(cut.duration, self.lo, self.hi)
-        if bad is None and not self.constraint.single_fits(cut):
-            bad = ("exceeds_batch_budget", f"{cut.duration:.2f}s / {self.constraint.text_length(cut)} "
-                                           f"text tokens do not fit {self.flags}")
-        if bad is not None:
-            logger.warning("cut %s removed: %s (%s)", cut.id, *bad)
-        return bad is None
 
 
 class SharTrainSet(torch.utils.data.IterableDataset):
@@ -122,52 +105,18 @@ class SharTrainSet(torch.utils.data.IterableDataset):
             yield self.dataset[cuts]
 
 
-class SharLoader:
-    """The trainer's loader over Shar shards; same API as ``ResumableLoader``. A mid-epoch
-    resume replays the epoch's first ``batches_consumed`` batches without training them."""
+class SharLoader(ResumableLoader):
+    """The trainer's loader over Shar shards. A mid-epoch resume replays the epoch's first
+    ``batches_consumed`` batches without handing them out."""
+
+    source = "shar"
 
     def __init__(self, data: SharTrainSet, num_workers: int, world_size: int, rank: int, seed: int) -> None:
-        from valle.data.datamodule import STATE_FORMAT
+        super().__init__(data.dataset, num_workers, world_size, rank, seed)
+        self.data = data
 
-        self.data, self.num_workers = data, num_workers
-        self.world_size, self.rank, self.seed = world_size, rank, seed
-        self.epoch = 0
-        self.batches_consumed = 0
-        self.format = STATE_FORMAT
-
-    @property
-    def dataset(self):
-        return self.data.dataset
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.batches_consumed = 0
-        self.epoch = epoch
+    def _seek_epoch(self, epoch: int) -> None:
         self.data.epoch = epoch
 
-    def __iter__(self) -> Iterator[dict]:
-        from valle.data.datamodule import worker_context
-
-        loader = torch.utils.data.DataLoader(
-            self.data, batch_size=None, num_workers=self.num_workers,
-            multiprocessing_context=worker_context() if self.num_workers else None)
-        skip = self.batches_consumed
-        for i, batch in enumerate(loader):
-            if i < skip:
-                continue
-            self.batches_consumed = i + 1
-            yield batch
-        self.batches_consumed = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"format": self.format, "epoch": self.epoch, "batches_consumed": self.batches_consumed,
-                "world_size": self.world_size, "rank": self.rank, "seed": self.seed, "shar": True}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("world_size") != self.world_size or state.get("seed") != self.seed:
-            raise ValueError(
-                f"sampler state was saved with world size {state.get('world_size')} and --seed "
-                f"{state.get('seed')}; this run has {self.world_size} and {self.seed}: Shar shards are "
-                "dealt per rank, so resume mid-epoch with the same ones (or from an epoch-N.pt checkpoint)")
-        self.set_epoch(state["epoch"])
-        self.batches_consumed = state["batches_consumed"]
+    def _batches(self, skip: int) -> Iterable[dict]:
+        return itertools.islice(self._dataloader(self.data), skip, None)

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ ZERO_LENGTH_AUDIO = "zero_length_audio"
 TOO_SHORT = "too_short"
 TOO_LONG = "too_long"
 NO_SUPERVISION = "no_supervision"
+EXCEEDS_BATCH_BUDGET = "exceeds_batch_budget"
 NO_RECORDING = "no_recording"
 DUPLICATE_ID = "duplicate_id"
 BAD_MANIFEST_ITEM = "bad_manifest_item"
@@ -130,6 +132,32 @@ def check_duration(duration: float, min_duration: float, max_duration: float) ->
     if duration > max_duration:
         return TOO_LONG, f"{duration:.2f}s > --filter-max-duration {max_duration:g}"
     return None
+
+
+@dataclass
+class CutFilter:
+    """The training filters, one implementation for both data sources: the duration bounds
+    and a cut that fits a batch on its own. Picklable (it travels to DataLoader workers).
+    ``problem`` names what is wrong (the manifest path records it in a report); calling the
+    filter logs it (the Shar path streams, with no pass that could gather a report)."""
+
+    min_duration: float
+    max_duration: float
+    constraint: Any  # valle.data.sampling.TextTokenConstraint: single_fits(cut), text_length(cut)
+    budget_flags: str  # the flags that set the batch budget, named in the detail
+
+    def problem(self, cut) -> tuple[str, str] | None:
+        bad = check_duration(cut.duration, self.min_duration, self.max_duration)
+        if bad is None and not self.constraint.single_fits(cut):
+            bad = (EXCEEDS_BATCH_BUDGET, f"{cut.duration:.2f}s / {self.constraint.text_length(cut)} "
+                                         f"text tokens do not fit {self.budget_flags}")
+        return bad
+
+    def __call__(self, cut) -> bool:
+        bad = self.problem(cut)
+        if bad is not None:
+            logger.warning("cut %s removed: %s (%s)", cut.id, *bad)
+        return bad is None
 
 
 def base_language(language: str) -> str:

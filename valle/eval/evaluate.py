@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from valle.codec.mel import HOP_LENGTH, SAMPLE_RATE
+from valle.codec.constants import HOP_LENGTH, SAMPLE_RATE
 from valle.eval.per import edit_distance, spoken
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def rows_from_infer_flags(args: argparse.Namespace) -> list[Row]:
 
 
 def load_wav(path: str, what: str, row: Row) -> torch.Tensor:
-    from valle.data.audio import load_audio_24k
+    from valle.codec.audio import load_audio_24k
 
     try:
         return load_audio_24k(path).reshape(-1)

@@ -237,7 +237,7 @@ def load_cut_examples(cuts_path: str | os.PathLike, limit: int | None = None):
     """(24 kHz waveform, phoneme symbols, cut) for each tokenized cut of a manifest."""
     from lhotse import CutSet
 
-    from valle.data.audio import to_mono_24k
+    from valle.codec.audio import to_mono_24k
     from valle.data.collation import cut_text_symbols
 
     path = Path(cuts_path)

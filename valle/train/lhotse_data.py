@@ -8,12 +8,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from valle.data.collation import num_text_tokens
-from valle.data.datamodule import ResumableLoader, TtsDataModule
-from valle.data.shar import SharLoader
+from valle.data.datamodule import TtsDataModule
+from valle.data.loader import ManifestLoader, ResumableLoader
 from valle.train.batching import Batch
 from valle.train.config import TrainConfig
-from valle.train.data import pick_rank_state, sampler_payload
 from valle.train.dist import DistContext
+from valle.train.sampler_state import pick_rank_state, sampler_payload
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,8 @@ class LhotseTrainData:
         if languages is not None:
             cfg.args["languages"] = languages
             logger.info("languages (id order): %s", ", ".join(languages))
-        self.train: ResumableLoader | SharLoader = self.module.train_dataloader(ctx.rank, ctx.world_size)
-        self.valid: ResumableLoader | None = None
+        self.train: ResumableLoader = self.module.train_dataloader(ctx.rank, ctx.world_size)
+        self.valid: ManifestLoader | None = None
         try:
             self.valid = self.module.valid_dataloader(ctx.rank, ctx.world_size)
         except FileNotFoundError as e:

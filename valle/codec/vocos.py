@@ -15,20 +15,18 @@ from pathlib import Path
 
 import torch
 
+from valle.codec.constants import CODEBOOK_SIZE, HOP_LENGTH
+from valle.codec.weights import HubRepoFile, PretrainedWeights, WeightsError
+
 logger = logging.getLogger(__name__)
 
-REPO_ID = "charactr/vocos-encodec-24khz"
-WEIGHTS_NAME = "pytorch_model.bin"
 CHECKPOINT_FLAG = "--vocos-checkpoint"
 RANDOM_WEIGHTS_FLAG = "--allow-random-vocos"
-SAMPLE_RATE = 24000
-HOP_LENGTH = 320  # 75 frames per second at 24 kHz
-N_BINS = 1024
 MAX_CODEBOOKS = 16  # 12 kbps, the largest bandwidth Vocos was trained with
 BANDWIDTHS = (1.5, 3.0, 6.0, 12.0)  # kbps; 2, 4, 8, 16 codebooks
 
 
-class VocosWeightsError(FileNotFoundError):
+class VocosWeightsError(WeightsError):
     """No Vocos weights (one line naming the file, the cache and the flag)."""
 
 
@@ -36,54 +34,15 @@ class VocosCodecError(ValueError):
     """Vocos asked for a corpus whose codes are not EnCodec's."""
 
 
-def _hub_cached() -> Path | None:
-    try:
-        from huggingface_hub import hf_hub_download
-
-        return Path(hf_hub_download(REPO_ID, WEIGHTS_NAME, local_files_only=True))
-    except Exception:  # not cached (or huggingface_hub missing)
-        return None
-
-
-def _download() -> tuple[Path | None, str]:
-    try:
-        from huggingface_hub import hf_hub_download
-
-        return Path(hf_hub_download(REPO_ID, WEIGHTS_NAME)), ""
-    except Exception as e:  # offline: connection errors of several kinds
-        return None, f"{type(e).__name__}: {e}".splitlines()[0][:200]
-
-
-def hub_cache_dir() -> str:
-    try:
-        from huggingface_hub.constants import HF_HUB_CACHE
-
-        return str(HF_HUB_CACHE)
-    except Exception:
-        return "~/.cache/huggingface/hub"
+WEIGHTS = PretrainedWeights("Vocos", HubRepoFile("charactr/vocos-encodec-24khz", "pytorch_model.bin"),
+                            CHECKPOINT_FLAG, RANDOM_WEIGHTS_FLAG, VocosWeightsError)
 
 
 def resolve_vocos_weights(checkpoint: str | os.PathLike | None = None, allow_random: bool = False,
                           download: bool = True) -> Path | None:
     """``checkpoint``, else the Hugging Face hub cache, else a download; ``None`` means random
     weights (only with ``allow_random``). Cheap: call it before any synthesis work."""
-    if checkpoint is not None:
-        path = Path(checkpoint)
-        if not path.is_file():
-            raise VocosWeightsError(f"{CHECKPOINT_FLAG} {path}: no such file")
-        return path
-    cached = _hub_cached()
-    if cached is not None:
-        return cached
-    path, why = _download() if download else (None, "downloads disabled")
-    if path is not None:
-        return path
-    if allow_random:
-        return None
-    raise VocosWeightsError(
-        f"no Vocos weights: {REPO_ID}/{WEIGHTS_NAME} is not in the hub cache {hub_cache_dir()} and "
-        f"could not be fetched ({why}); pass {CHECKPOINT_FLAG} PATH to the file "
-        f"({RANDOM_WEIGHTS_FLAG} gives random weights for tests: the audio is noise)")
+    return WEIGHTS.resolve(checkpoint, allow_random, download)
 
 
 def check_codec_for_vocos(codec_name: str) -> None:
@@ -110,7 +69,7 @@ class VocosDecoder(torch.nn.Module):
                                       adanorm_num_embeddings=len(BANDWIDTHS))
         self.head = ISTFTHead(dim=384, n_fft=1280, hop_length=HOP_LENGTH, padding="same")
         self.codebook_weights = torch.nn.Parameter(
-            torch.randn(MAX_CODEBOOKS * N_BINS, 128), requires_grad=False)
+            torch.randn(MAX_CODEBOOKS * CODEBOOK_SIZE, 128), requires_grad=False)
         if path is None:
             logger.warning("!!! Vocos has RANDOM weights (%s): the audio is noise !!!", RANDOM_WEIGHTS_FLAG)
         else:
@@ -132,7 +91,7 @@ class VocosDecoder(torch.nn.Module):
         bandwidth_id = {2: 0, 4: 1, 8: 2, 16: 3}.get(q)
         if bandwidth_id is None:
             raise ValueError(f"Vocos decodes 2, 4, 8 or 16 codebooks, got {q}")
-        offsets = torch.arange(q, device=codes.device) * N_BINS
+        offsets = torch.arange(q, device=codes.device) * CODEBOOK_SIZE
         features = torch.nn.functional.embedding(codes + offsets, self.codebook_weights).sum(dim=1)
         x = self.backbone(features.T.unsqueeze(0), bandwidth_id=torch.tensor([bandwidth_id], device=codes.device))
         return self.head(x).reshape(-1).float().cpu()

@@ -1,16 +1,13 @@
+"""EnCodec tokenizer: weights, shapes, seeded random weights, audio loading, code vectors."""
+
 import numpy as np
 import pytest
 import soundfile as sf
 import torch
 
-from valle.data.audio import (
-    FRAME_RATE,
-    AudioLoadError,
-    AudioTokenizer,
-    EncodecCodes,
-    EncodecConfig,
-    load_audio_24k,
-)
+from valle.codec.audio import AudioLoadError, load_audio_24k
+from valle.codec.constants import FRAME_RATE
+from valle.codec.encodec import AudioTokenizer
 
 
 def _signal(seconds: float, seed: int = 0) -> torch.Tensor:
@@ -56,21 +53,6 @@ def test_load_audio_24k_resamples_and_names_bad_files(tmp_path):
     bad.write_bytes(b"RIFF not really a wave file")
     with pytest.raises(AudioLoadError, match="corrupt.wav"):
         load_audio_24k(bad)
-
-
-def test_codes_stored_as_lhotse_features(tmp_path):
-    from lhotse import NumpyFilesWriter, Recording
-    from lhotse.features.base import FeatureExtractor
-
-    path = tmp_path / "b.wav"
-    sf.write(path, _signal(1.2).reshape(-1).numpy(), 24000)
-    cut = Recording.from_file(path).to_cut()
-    extractor = EncodecCodes(EncodecConfig(allow_random_weights=True))
-    with NumpyFilesWriter(tmp_path / "feats") as storage:
-        cut = cut.compute_and_store_features(extractor, storage)
-    codes = cut.load_features()
-    assert codes.shape == (90, 8) and codes.dtype == np.int16
-    assert type(FeatureExtractor.from_dict(extractor.to_dict())) is EncodecCodes
 
 
 def test_code_vectors_are_what_the_decoder_sums(random_audio_tokenizer):

@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("vocos")
 
-import valle.vocos_decoder as vd  # noqa: E402
+import valle.codec.vocos as vd  # noqa: E402
 from valle.infer import InputError, build_parser, build_vocos, decode_codes, resolve_vocos  # noqa: E402
 
 
@@ -22,8 +22,12 @@ def test_random_vocos_decodes_codes_to_24k_of_the_right_length(caplog):
 
 
 def test_offline_error_names_the_flag_before_any_work(monkeypatch):
-    monkeypatch.setattr(vd, "_hub_cached", lambda: None)
-    monkeypatch.setattr(vd, "_download", lambda: (None, "OSError: offline"))
+    import huggingface_hub
+
+    def offline(repo_id, filename, local_files_only=False, **kw):
+        raise OSError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
     args = build_parser().parse_args(["--decoder", "vocos", "--checkpoint", "x.pt", "--text", "a"])
     with pytest.raises(InputError, match="--vocos-checkpoint") as e:
         resolve_vocos(args)
