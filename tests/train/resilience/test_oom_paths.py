@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+from tests.support.scenarios import TINY_MODEL
 from valle.train.cli import parse_config
 from valle.train.dist import DistContext
 from valle.train.optim import build_optimizer
@@ -18,7 +19,6 @@ from valle.train.resilience.faults import InjectedOutOfMemoryError
 from valle.train.resilience.gradsync import LocalGradSync
 from valle.train.resilience.quarantine import OomPolicy
 from valle.train.resilience.step import ResilientStep, StepConfig
-from valle.train.scenarios import TINY_MODEL
 from valle.train.synthetic import SyntheticCorpus, SyntheticSpec, collate
 
 pytestmark = pytest.mark.timeout(120)

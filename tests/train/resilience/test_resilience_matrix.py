@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from valle.train.harness import run_world, values
+from tests.support.harness import run_world, values
+from tests.support.scenarios import TINY_MODEL, matrix_worker
 from valle.train.resilience.faults import OOM_PHASES
-from valle.train.scenarios import TINY_MODEL, matrix_worker
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]
 
