@@ -178,7 +178,7 @@ def build_run_agreed(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector) 
 def train_epochs(run: Run) -> TrainSummary:
     cfg, summary = run.cfg, TrainSummary()
     if cfg.oom_check and not run.resumed:
-        scan_pessimistic_batches(run.stepper, run.data.pessimistic_batches(), run.optimizer, cfg)
+        scan_pessimistic_batches(run.stepper, run.data.pessimistic_batches(), cfg)
     elif cfg.oom_check:
         # The run passed the scan when it started; under --max-restarts every relaunch
         # would otherwise pay a full pass over the manifest again.
@@ -296,7 +296,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
         quarantine=quarantine, channel=ctx.channel,
     )
     # The model's head (a resumed checkpoint's, whatever the flag) must fit the corpus's codebook 0.
-    data = build_train_data(cfg, ctx, quarantine, ar_codebook_size=model.ar_codebook_size)
+    data = build_train_data(cfg, ctx, ar_codebook_size=model.ar_codebook_size)
     run = Run(cfg, ctx, model, optimizer, scheduler, scaler, averager, stepper, data, quarantine,
               TensorBoardLogger(cfg.exp_dir / "tensorboard" / f"stage{cfg.train_stage}", enabled=cfg.tensorboard and ctx.is_main),
               StallWatchdog(cfg.stall_factor, cfg.stall_min_seconds,
