@@ -174,11 +174,11 @@ def _initial_params(cfg: SweepConfig, root: Path) -> dict:
 
     from valle.models import get_model
     from valle.train.cli import parse_config
-    from valle.train.loop import _model_params
+    from valle.train.loop import model_hparams
 
     config = parse_config(trainer_argv(root / "initial", cfg, []))
     torch.manual_seed(config.seed)
-    return get_model(_model_params(config, None)).state_dict()
+    return get_model(model_hparams(config, None)).state_dict()
 
 
 def _equal(params: dict, clean: dict | None, initial: dict | None = None,

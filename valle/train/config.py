@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ from typing import Any
 from valle.args import DTYPE_NAMES, str2bool
 from valle.train.resilience.faults import FaultSpec, parse_fault
 from valle.train.resilience.gradsync import SYNC_MODES
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -183,9 +186,7 @@ def validate_config(cfg: TrainConfig) -> None:
     if cfg.dtype == "float16" and cfg.device == "cpu":
         # CPU autocast float16 with torch.amp.GradScaler("cpu") works, slowly: it is how the
         # GradScaler path is tested without a GPU. Say so rather than refuse.
-        import logging
-
-        logging.getLogger(__name__).warning(
+        logger.warning(
             "--dtype float16 on CPU: slow, meant for testing the GradScaler path "
             "(use bfloat16 or float32 to train on CPU)")
     if cfg.save_every_n < 1 or cfg.valid_interval < 1 or cfg.log_interval < 1:

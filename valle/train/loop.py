@@ -230,7 +230,10 @@ def train_epochs(run: Run) -> TrainSummary:
                 if grad_scale_just_collapsed(run):
                     save(run, f"checkpoint-{run.step}.pt")  # keep what we have before NaNs
             if run.step % cfg.valid_interval == 0:
-                validate(run)
+                valid_loss = validate(run)
+                if valid_loss < run.best_valid:  # the same value on every rank (one vote)
+                    run.best_valid = valid_loss
+                    save_best_model(run, "valid")
             if cfg.check_consistency_every and run.step % cfg.check_consistency_every == 0:
                 run.stepper.check_consistency()
             if run.step % cfg.save_every_n == 0:
@@ -243,9 +246,7 @@ def train_epochs(run: Run) -> TrainSummary:
         run.stepper.flush()  # a damaged rank is repaired before anything is saved
         if account.train_loss < run.best_train:  # the same value on every rank (from the votes)
             run.best_train = account.train_loss
-            if run.ctx.is_main:
-                run.stepper.local("checkpoint", lambda: save_best(
-                    run.cfg.exp_dir, "train", _best_payload(run)))
+            save_best_model(run, "train")
         if cfg.max_steps and run.step >= cfg.max_steps:
             break
         save(run, f"epoch-{epoch}.pt", next_epoch=True)
@@ -285,7 +286,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
         # the architecture of the weights we start from, whatever the flags say
         initial_weights, hparams = load_model_checkpoint(cfg.start_from)
         architecture = {"config": hparams, "model": {}}
-    model = get_model(_model_params(cfg, architecture)).to(ctx.device)
+    model = get_model(model_hparams(cfg, architecture)).to(ctx.device)
     named = model.stage_parameters(cfg.train_stage)
     optimizer = build_optimizer(cfg.optimizer_name, named, cfg.base_lr, weight_decay=cfg.weight_decay)
     scheduler = build_scheduler(cfg.scheduler_name, optimizer, cfg.warmup_steps,
@@ -335,7 +336,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     return run
 
 
-def _model_params(cfg: TrainConfig, payload: dict | None):
+def model_hparams(cfg: TrainConfig, payload: dict | None):
     """Model hyper-parameters: the flags, or a checkpoint's when resuming (old
     checkpoints included: keys they predate take the values they were trained with)."""
     import argparse
@@ -421,11 +422,12 @@ def save(run: Run, name: str, next_epoch: bool = False) -> None:
         return
 
     def write() -> None:
+        scaler = active_scaler(run)
         payload = make_payload(
             model=run.model.state_dict(),
             model_avg=averaged_state(run),
             optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
-            scaler=run.scaler.state_dict() if run.scaler is not None and run.scaler.is_enabled() else None,
+            scaler=scaler.state_dict() if scaler is not None else None,
             sampler=sampler, step=run.step,
             epoch=run.epoch + 1 if next_epoch else run.epoch,
             batch_in_epoch=0 if next_epoch else sampler.get("batch_in_epoch", 0),
@@ -437,11 +439,26 @@ def save(run: Run, name: str, next_epoch: bool = False) -> None:
         remove_old_checkpoints(run.cfg.exp_dir, run.cfg.keep_last_k)
 
 
+def averaged_state(run: Run) -> dict[str, torch.Tensor] | None:
+    """The averaged model as a full model state dict (None without --average-period)."""
+    return run.averager.averaged_state_dict(run.model) if run.averager else None
+
+
+def save_best_model(run: Run, kind: str) -> None:
+    """best-<kind>-loss.pt (kind: train or valid), the weights only: rank 0's local work."""
+    if not run.ctx.is_main:
+        return
+    run.stepper.local("checkpoint", lambda: save_best(run.cfg.exp_dir, kind, make_payload(
+        model=run.model.state_dict(), model_avg=averaged_state(run), step=run.step,
+        epoch=run.epoch, train_stage=run.cfg.train_stage, config=run.cfg.args)))
+
+
 # -- validation -------------------------------------------------------------------
 
 
-def validate(run: Run) -> dict[str, float]:
-    """Each rank runs its own shard without collectives; one vote at the end."""
+def validate(run: Run) -> float:
+    """The validation loss, logged and in TensorBoard. Each rank runs its own shard without
+    collectives; one vote at the end."""
     with run.stepper.faults.host_work():
         batches = run.data.valid_batches()
     result = run.stepper.validate(batches)
@@ -451,23 +468,7 @@ def validate(run: Run) -> dict[str, float]:
     logger.info("validation at step %d: loss %.4f over %d batches (%d skipped: out of memory)",
                 run.step, result.loss, result.batches, result.oom_batches)
     run.tb.scalars(run.step, values, prefix="valid/")
-    if result.loss < run.best_valid:
-        run.best_valid = result.loss
-        if run.ctx.is_main:
-            run.stepper.local("checkpoint", lambda: save_best(
-                run.cfg.exp_dir, "valid", _best_payload(run)))
-    return values
-
-
-def averaged_state(run: Run) -> dict[str, torch.Tensor] | None:
-    """The averaged model as a full model state dict (None without --average-period)."""
-    return run.averager.averaged_state_dict(run.model) if run.averager else None
-
-
-def _best_payload(run: Run) -> dict:
-    return make_payload(model=run.model.state_dict(), model_avg=averaged_state(run),
-                        step=run.step, epoch=run.epoch, train_stage=run.cfg.train_stage,
-                        config=run.cfg.args)
+    return result.loss
 
 
 # -- logging ----------------------------------------------------------------------
@@ -484,9 +485,15 @@ def step_metrics(r: StepResult) -> dict[str, float]:
     return values
 
 
+def active_scaler(run: Run) -> torch.amp.GradScaler | None:
+    """The GradScaler when it scales (--dtype float16), else None."""
+    return run.scaler if run.scaler is not None and run.scaler.is_enabled() else None
+
+
 def grad_scale(run: Run) -> float | None:
     """The GradScaler's current loss scale (None without one: no --dtype float16)."""
-    return run.scaler.get_scale() if run.scaler is not None and run.scaler.is_enabled() else None
+    scaler = active_scaler(run)
+    return scaler.get_scale() if scaler is not None else None
 
 
 def grad_scale_just_collapsed(run: Run) -> bool:
