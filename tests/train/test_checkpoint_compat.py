@@ -97,10 +97,11 @@ def test_training_resumes_from_old_checkpoint(tmp_path):
     old, new = _load(CHECKPOINT), _load(exp_dir / "checkpoint-3.pt")
     # One more step on top of the saved ones: step, optimizer, scheduler and sampler carry on.
     assert (new["step"], new["epoch"], new["train_stage"]) == (3, 1, 1)
-    assert {s["step"] for s in new["optimizer"]["state"].values()} == {3}
+    assert {int(s["step"]) for s in new["optimizer"]["state"].values()} == {3}
     assert new["scheduler"]["batch"] == old["scheduler"]["batch"] + 1
     assert new["sampler"]["per_rank"][0]["consumed"] == 3
     assert new["model_avg"] is not None
+    assert new["model"].keys() == old["model"].keys(), "the weights' names changed"
     changed = [k for k, v in old["model"].items() if not torch.equal(v, new["model"][k])]
     assert changed and all(k.startswith("ar_") for k in changed)
 
@@ -112,6 +113,7 @@ def test_next_stage_starts_from_old_checkpoint(tmp_path):
     old, new = _load(CHECKPOINT), _load(exp_dir / "checkpoint-1.pt")
     # A stage switch: the weights carry over, the optimisation starts afresh.
     assert (new["step"], new["train_stage"]) == (1, 2)
-    assert {s["step"] for s in new["optimizer"]["state"].values()} == {1}
+    assert {int(s["step"]) for s in new["optimizer"]["state"].values()} == {1}
+    assert new["model"].keys() == old["model"].keys(), "the weights' names changed"
     changed = {k for k, v in old["model"].items() if not torch.equal(v, new["model"][k])}
     assert changed and all(k.startswith("nar_") for k in changed)
