@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from valle.train.harness import run_world, values  # noqa: E402
+from tests.support.harness import run_world, values  # noqa: E402
 
 
 def model_args(dim: int, layers: int) -> argparse.Namespace:

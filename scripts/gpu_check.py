@@ -74,7 +74,7 @@ def check_scan_vs_step(lines: list[str]) -> None:
                                 "--synthetic-batch-size", "16"])
     run = build_run(cfg, init_distributed("cuda"))
     batches = run.data.pessimistic_batches()
-    rows = scan_pessimistic_batches(run.stepper, batches, run.optimizer, cfg)
+    rows = scan_pessimistic_batches(run.stepper, batches, cfg)
     lines += ["## Scan peak vs training-step peak", "",
               "| criterion | scan peak MiB | step peak MiB | ratio |", "|---|---|---|---|"]
     for row, (name, batch) in zip(rows, batches.items()):

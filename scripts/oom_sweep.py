@@ -3,7 +3,7 @@
 
 For each configuration (world size, GradScaler or not, failing ranks, which step,
 scenario) a dry run counts the step's allocating ops; then each chosen position
-N is failed in its own training run and classified (valle/train/resilience/sweep.py).
+N is failed in its own training run and classified (tests/support/sweep.py).
 Writes the tables into docs/oom.md between the sweep markers, with this command.
 
   python scripts/oom_sweep.py                 # the whole sweep (every op kind in every phase)
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from valle.train.resilience.sweep import (  # noqa: E402
+from tests.support.sweep import (  # noqa: E402
     PointResult,
     SweepConfig,
     SweepResult,
@@ -121,13 +121,16 @@ def main() -> int:
     return 1 if bad else 0
 
 
-SWEPT_CODE = ("valle", "bin", "scripts")  # what a sweep runs; docs and tests do not change it
+# What a sweep runs: the trainer, and the sweep driver with the runs it starts (tests/support).
+# Docs and the tests themselves do not change it.
+SWEPT_CODE = ("valle", "bin", "scripts", "tests/support")
 
 
 def _code_key(root: Path = ROOT) -> str:
     """A hash of the committed code the sweep runs, plus one of its uncommitted changes: a
-    commit that touches only docs or tests keeps the cached results (the tree ids of the
-    swept folders are unchanged), any change to the code starts a new cache."""
+    commit that touches only docs or tests (outside tests/support) keeps the cached results
+    (the tree ids of the swept folders are unchanged), any change to the code starts a new
+    cache."""
     def git(*cmd: str) -> str:
         return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True).stdout
 

@@ -172,8 +172,8 @@ def test_ljspeech_recipe_resamples_cuts_and_reads_normalized_text(ljspeech):
 def test_two_ranks_train_from_shar_shards_and_see_every_cut_once_per_epoch(libritts, tmp_path):
     from lhotse import CutSet
 
-    from valle.train.harness import run_world
-    from valle.train.scenarios import TINY_MODEL, train_worker
+    from tests.support.harness import run_world
+    from tests.support.scenarios import TINY_MODEL, train_worker
 
     data, _, _ = libritts
     exp = tmp_path / "exp"
@@ -212,8 +212,8 @@ def test_two_nodes_deal_shar_shards_over_four_ranks_and_restart_together(libritt
     import torch
     from lhotse import CutSet
 
-    from valle.train.harness import clean_launch_env, free_port
-    from valle.train.scenarios import TINY_MODEL
+    from tests.support.harness import clean_launch_env, free_port
+    from tests.support.scenarios import TINY_MODEL
 
     data, _, _ = libritts
     root = Path(__file__).resolve().parents[2]

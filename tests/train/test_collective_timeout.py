@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from valle.train.harness import clean_launch_env
-from valle.train.scenarios import TINY_MODEL
+from tests.support.harness import clean_launch_env
+from tests.support.scenarios import TINY_MODEL
 
 pytestmark = [pytest.mark.multiproc]
 

@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from valle.train.harness import clean_launch_env
+from tests.support.harness import clean_launch_env
+from tests.support.scenarios import TINY_MODEL
 from valle.train.preemption import EXIT_PREEMPT_TIMEOUT, EXIT_PREEMPTED
-from valle.train.scenarios import TINY_MODEL
 
 pytestmark = [pytest.mark.multiproc]
 

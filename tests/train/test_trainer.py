@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
+from tests.support.harness import run_world, values
+from tests.support.scenarios import TINY_MODEL, train_worker
 from valle.train.checkpoint import load_checkpoint
 from valle.train.cli import parse_config
-from valle.train.harness import run_world, values
 from valle.train.loop import train
-from valle.train.scenarios import TINY_MODEL, train_worker
 
 pytestmark = pytest.mark.timeout(300)
 

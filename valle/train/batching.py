@@ -15,6 +15,11 @@ import torch
 
 Batch = dict[str, Any]
 
+# Padding ids (masked by the lengths anyway; they only need to be valid ids): text pads
+# with <pad>, audio codes with NUM_AUDIO_TOKENS (the codebooks' pad/EOS id).
+TEXT_PAD = 1
+AUDIO_PAD = 1024
+
 # Padded sequence tensors and the length tensor that bounds each.
 _PADDED = {
     "text_tokens": "text_tokens_lens",
@@ -105,9 +110,7 @@ def concat_batches(batches: list[Batch]) -> Batch:
 
 
 def _pad_value(key: str) -> int:
-    # Audio codes pad with NUM_AUDIO_TOKENS; text with <pad> (1). Padding is masked
-    # by the lengths anyway, the values only need to be valid ids.
-    return 1024 if key in ("audio_features", "prompt_features") else 1
+    return AUDIO_PAD if key in ("audio_features", "prompt_features") else TEXT_PAD
 
 
 def _pad_spec(tensor: torch.Tensor, longest: int) -> tuple[int, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,8 @@ from typing import Any
 from valle.args import DTYPE_NAMES, str2bool
 from valle.train.resilience.faults import FaultSpec, parse_fault
 from valle.train.resilience.gradsync import SYNC_MODES
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,85 +79,87 @@ class TrainConfig:
 
 
 def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The training, resilience and synthetic-data flags; their defaults are TrainConfig's."""
+    d = TrainConfig()
     g = parser.add_argument_group("training")
-    g.add_argument("--exp-dir", type=Path, default=Path("exp/valle"))
-    g.add_argument("--train-stage", type=int, default=0, choices=(0, 1, 2),
+    g.add_argument("--exp-dir", type=Path, default=d.exp_dir)
+    g.add_argument("--train-stage", type=int, default=d.train_stage, choices=(0, 1, 2),
                    help="0: AR and NAR together; 1: AR only; 2: NAR only")
-    g.add_argument("--num-epochs", type=int, default=20)
-    g.add_argument("--start-epoch", type=int, default=1,
+    g.add_argument("--num-epochs", type=int, default=d.num_epochs)
+    g.add_argument("--start-epoch", type=int, default=d.start_epoch,
                    help="resume from epoch-(N-1).pt; default: the newest valid checkpoint in --exp-dir")
-    g.add_argument("--start-batch", type=int, default=0, help="resume from checkpoint-N.pt")
-    g.add_argument("--start-from", default="",
+    g.add_argument("--start-batch", type=int, default=d.start_batch, help="resume from checkpoint-N.pt")
+    g.add_argument("--start-from", default=d.start_from,
                    help="initial weights (and architecture) from a checkpoint: this project's or "
                         "lifeiteng/vall-e's (converted on load); optimizer and data start afresh")
-    g.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: no limit)")
-    g.add_argument("--seed", type=int, default=42)
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    g.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
-    g.add_argument("--optimizer-name", default="ScaledAdam", choices=("ScaledAdam", "AdamW", "Adam"))
-    g.add_argument("--scheduler-name", default="Eden", choices=("Eden", "Noam", "Cosine"))
-    g.add_argument("--base-lr", type=float, default=0.05)
-    g.add_argument("--warmup-steps", type=int, default=200)
-    g.add_argument("--lr-batches", type=float, default=5000.0)
-    g.add_argument("--lr-epochs", type=float, default=4.0)
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--grad-clip", type=float, default=1.0,
+    g.add_argument("--max-steps", type=int, default=d.max_steps, help="stop after this many steps (0: no limit)")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    g.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES)
+    g.add_argument("--optimizer-name", default=d.optimizer_name, choices=("ScaledAdam", "AdamW", "Adam"))
+    g.add_argument("--scheduler-name", default=d.scheduler_name, choices=("Eden", "Noam", "Cosine"))
+    g.add_argument("--base-lr", type=float, default=d.base_lr)
+    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    g.add_argument("--lr-batches", type=float, default=d.lr_batches)
+    g.add_argument("--lr-epochs", type=float, default=d.lr_epochs)
+    g.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    g.add_argument("--grad-clip", type=float, default=d.grad_clip,
                    help="max gradient norm for the Adam family (ScaledAdam clips itself)")
-    g.add_argument("--grad-scale-init", type=float, default=1.0,
+    g.add_argument("--grad-scale-init", type=float, default=d.grad_scale_init,
                    help="--dtype float16: the GradScaler's initial scale. 1.0 as in the icefall/"
                         "VALL-E recipes: the loss is a sum over frames, already large (torch's "
                         "default 65536 overflows the first steps and skips them)")
-    g.add_argument("--accumulate-grad-steps", type=int, default=1)
-    g.add_argument("--average-period", type=int, default=0,
+    g.add_argument("--accumulate-grad-steps", type=int, default=d.accumulate_grad_steps)
+    g.add_argument("--average-period", type=int, default=d.average_period,
                    help="update the averaged model every N steps (0: no averaged model)")
-    g.add_argument("--save-every-n", type=int, default=10000)
-    g.add_argument("--keep-last-k", type=int, default=20)
-    g.add_argument("--valid-interval", type=int, default=10000)
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--tensorboard", type=str2bool, default=True)
-    g.add_argument("--log-trained-cuts", type=str2bool, default=False,
+    g.add_argument("--save-every-n", type=int, default=d.save_every_n)
+    g.add_argument("--keep-last-k", type=int, default=d.keep_last_k)
+    g.add_argument("--valid-interval", type=int, default=d.valid_interval)
+    g.add_argument("--log-interval", type=int, default=d.log_interval)
+    g.add_argument("--tensorboard", type=str2bool, default=d.tensorboard)
+    g.add_argument("--log-trained-cuts", type=str2bool, default=d.log_trained_cuts,
                    help="append each step's cut ids to <exp-dir>/trained-cuts-rank<R>.tsv")
 
     r = parser.add_argument_group("resilience")
-    r.add_argument("--grad-sync", default="overlap", choices=SYNC_MODES)
-    r.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    r.add_argument("--oom-check", type=str2bool, default=True,
+    r.add_argument("--grad-sync", default=d.grad_sync, choices=SYNC_MODES)
+    r.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
+    r.add_argument("--oom-check", type=str2bool, default=d.oom_check,
                    help="run the pessimistic batches before training and report peak memory")
-    r.add_argument("--backward-reserve-mb", type=int, default=-1,
+    r.add_argument("--backward-reserve-mb", type=int, default=d.backward_reserve_mb,
                    help="contiguous block held through the NAR forward (-1: 1024 on CUDA when the "
                         "NAR is trained; 0 disables)")
-    r.add_argument("--save-oom-batches", type=int, default=3)
+    r.add_argument("--save-oom-batches", type=int, default=d.save_oom_batches)
     r.add_argument("--oom-snapshot", "--memory-snapshot", dest="oom_snapshot", type=str2bool,
-                   default=False, help="record CUDA allocator history and dump it at each OOM "
+                   default=d.oom_snapshot, help="record CUDA allocator history and dump it at each OOM "
                    "(<exp-dir>/oom/snapshot-*.pickle, for https://pytorch.org/memory_viz)")
-    r.add_argument("--max-quarantined-cuts", type=int, default=100,
+    r.add_argument("--max-quarantined-cuts", type=int, default=d.max_quarantined_cuts,
                    help="stop (exit 15: the GPU, not the data) when more cuts than this were "
                         "quarantined in one run")
-    r.add_argument("--max-fitted-before-quarantines", type=int, default=3,
+    r.add_argument("--max-fitted-before-quarantines", type=int, default=d.max_fitted_before_quarantines,
                    help="stop (exit 15) when more cuts than this failed alone although larger "
                         "cuts had trained before")
-    r.add_argument("--update-retries", type=int, default=2,
+    r.add_argument("--update-retries", type=int, default=d.update_retries,
                    help="local retries of an optimizer/averaging phase that ran out of memory "
                         "(it resumes where it stopped) before the rank is repaired from another")
-    r.add_argument("--count-allocations", default="", help=argparse.SUPPRESS)
+    r.add_argument("--count-allocations", default=d.count_allocations, help=argparse.SUPPRESS)
     r.add_argument("--inject-fault", action="append", default=[], type=parse_fault,
                    metavar="PHASE@STEP[xK][:RANKS]|PHASE@cut=ID|alloc@STEP:N[:RANKS]")
-    r.add_argument("--inject-fault-real", type=str2bool, default=False)
-    r.add_argument("--preempt-grace-s", type=float, default=25.0,
+    r.add_argument("--inject-fault-real", type=str2bool, default=d.inject_fault_real)
+    r.add_argument("--preempt-grace-s", type=float, default=d.preempt_grace_s,
                    help="after SIGTERM/SIGUSR1: stop at the next step boundary, save, exit 17; "
                         "exit 18 without saving if that takes longer than this (torchrun kills "
                         "its workers 30 s after forwarding SIGTERM); 0: no deadline")
-    r.add_argument("--check-consistency-every", type=int, default=0)
-    r.add_argument("--collective-timeout", type=float, default=300.0, help="seconds")
-    r.add_argument("--stall-factor", type=float, default=10.0)
-    r.add_argument("--stall-min-seconds", type=float, default=300.0)
-    r.add_argument("--stall-seconds", type=float, default=3600.0, help=argparse.SUPPRESS)
+    r.add_argument("--check-consistency-every", type=int, default=d.check_consistency_every)
+    r.add_argument("--collective-timeout", type=float, default=d.collective_timeout, help="seconds")
+    r.add_argument("--stall-factor", type=float, default=d.stall_factor)
+    r.add_argument("--stall-min-seconds", type=float, default=d.stall_min_seconds)
+    r.add_argument("--stall-seconds", type=float, default=d.stall_seconds, help=argparse.SUPPRESS)
 
     s = parser.add_argument_group("synthetic data")
-    s.add_argument("--synthetic-data", type=int, default=0,
+    s.add_argument("--synthetic-data", type=int, default=d.synthetic_data,
                    help="train on N synthetic cuts instead of --manifest-dir (checks, benchmarks)")
-    s.add_argument("--synthetic-batch-size", type=int, default=8)
-    s.add_argument("--synthetic-partition", default="rows", choices=("rows", "batches"))
+    s.add_argument("--synthetic-batch-size", type=int, default=d.synthetic_batch_size)
+    s.add_argument("--synthetic-partition", default=d.synthetic_partition, choices=("rows", "batches"))
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -186,9 +191,7 @@ def validate_config(cfg: TrainConfig) -> None:
     if cfg.dtype == "float16" and cfg.device == "cpu":
         # CPU autocast float16 with torch.amp.GradScaler("cpu") works, slowly: it is how the
         # GradScaler path is tested without a GPU. Say so rather than refuse.
-        import logging
-
-        logging.getLogger(__name__).warning(
+        logger.warning(
             "--dtype float16 on CPU: slow, meant for testing the GradScaler path "
             "(use bfloat16 or float32 to train on CPU)")
     if cfg.save_every_n < 1 or cfg.valid_interval < 1 or cfg.log_interval < 1:

@@ -12,7 +12,6 @@ from typing import Any, Protocol
 from valle.train.batching import Batch
 from valle.train.config import TrainConfig
 from valle.train.dist import DistContext
-from valle.train.resilience.quarantine import Quarantine
 from valle.train.sampler_state import pick_rank_state, sampler_payload
 from valle.train.synthetic import SyntheticCorpus, SyntheticSampler, SyntheticSpec, collate
 
@@ -66,8 +65,7 @@ class SyntheticData:
         return len(self.sampler) * num_epochs
 
 
-def build_train_data(cfg: TrainConfig, ctx: DistContext, quarantine: Quarantine,
-                     ar_codebook_size: int = 1024) -> TrainData:
+def build_train_data(cfg: TrainConfig, ctx: DistContext, ar_codebook_size: int = 1024) -> TrainData:
     """``ar_codebook_size``: the model's (--ar-codebook-size); refused when the data's codebook 0
     has more codes."""
     if cfg.synthetic_data > 0:

@@ -12,6 +12,7 @@ import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -125,9 +126,8 @@ def train(cfg: TrainConfig) -> TrainSummary:
     cfg.exp_dir.mkdir(parents=True, exist_ok=True)
     setup_logging(cfg.exp_dir / "log", ctx.rank, ctx.world_size)
     # The recovery path's buffers, first: after an OOM nothing else may be allocatable.
-    ctx.channel = ControlChannel(ctx, vote_slots=VOTE_SLOTS + ctx.world_size)
-    faults = FaultInjector(cfg.inject_fault, ctx.rank, real=cfg.inject_fault_real,
-                           stall_seconds=cfg.stall_seconds)
+    ctx.channel = control_channel(ctx)
+    faults = fault_injector(cfg, ctx)
     if cfg.count_allocations:
         faults.count_allocations()
     faults.start()
@@ -155,8 +155,26 @@ def train(cfg: TrainConfig) -> TrainSummary:
     return summary
 
 
+def control_channel(ctx: DistContext) -> ControlChannel:
+    """The step's vote buffers, with a slot per rank for the set-up vote."""
+    return ControlChannel(ctx, vote_slots=VOTE_SLOTS + ctx.world_size)
+
+
+def fault_injector(cfg: TrainConfig, ctx: DistContext) -> FaultInjector:
+    return FaultInjector(cfg.inject_fault, ctx.rank, real=cfg.inject_fault_real,
+                         stall_seconds=cfg.stall_seconds)
+
+
 class StartupError(RuntimeError):
     """Set-up failed on some rank; every rank stops together instead of waiting."""
+
+
+class SetupOutcome(IntEnum):
+    """What a rank says in the set-up vote (its slot of the vote vector)."""
+
+    OK = 0
+    ERROR = 1
+    OUT_OF_MEMORY = 2
 
 
 def build_run_agreed(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector) -> Run:
@@ -170,19 +188,20 @@ def build_run_agreed(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector) 
         run = build_run(cfg, ctx, faults)
     except Exception as exc:  # noqa: BLE001 - voted, then re-raised on this rank
         error = exc
-    code = 0.0 if error is None else (2.0 if is_oom_error(error) else 1.0)
-    host = [0.0] * ctx.world_size
-    host[ctx.rank] = code
-    votes = ctx.channel.reduce(host)
+    outcome = SetupOutcome.OK if error is None else (
+        SetupOutcome.OUT_OF_MEMORY if is_oom_error(error) else SetupOutcome.ERROR)
+    host = [float(SetupOutcome.OK)] * ctx.world_size
+    host[ctx.rank] = float(outcome)
+    votes = [SetupOutcome(round(v)) for v in ctx.channel.reduce(host)]
     if error is not None:
         if is_oom_error(error):
             raise StartupError(f"rank {ctx.rank}: out of memory while setting up (model, "
                                f"optimizer state, data): {str(error).splitlines()[0]}. Lower "
                                "the model size or free the device.") from error
         raise error
-    failed = [r for r, v in enumerate(votes) if v > 0]
+    failed = [r for r, v in enumerate(votes) if v != SetupOutcome.OK]
     if failed:
-        what = "out of memory" if any(votes[r] == 2.0 for r in failed) else "an error"
+        what = "out of memory" if SetupOutcome.OUT_OF_MEMORY in votes else "an error"
         raise StartupError(f"set-up failed on rank(s) {failed} ({what}; see their log): "
                            "every rank stops")
     return run
@@ -191,7 +210,7 @@ def build_run_agreed(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector) 
 def train_epochs(run: Run) -> TrainSummary:
     cfg, summary = run.cfg, TrainSummary()
     if cfg.oom_check and not run.resumed:
-        scan_pessimistic_batches(run.stepper, run.data.pessimistic_batches(), run.optimizer, cfg)
+        scan_pessimistic_batches(run.stepper, run.data.pessimistic_batches(), cfg)
     elif cfg.oom_check:
         # The run passed the scan when it started; under --max-restarts every relaunch
         # would otherwise pay a full pass over the manifest again.
@@ -227,8 +246,13 @@ def train_epochs(run: Run) -> TrainSummary:
                 log_progress(run, totals, meter)
                 summary.final_loss = totals.normalized().get("loss", float("nan"))
                 totals = MetricsTracker()
+                if grad_scale_just_collapsed(run):
+                    save(run, f"checkpoint-{run.step}.pt")  # keep what we have before NaNs
             if run.step % cfg.valid_interval == 0:
-                validate(run)
+                valid_loss = validate(run)
+                if valid_loss is not None and valid_loss < run.best_valid:  # same on every rank
+                    run.best_valid = valid_loss
+                    save_best_model(run, "valid")
             if cfg.check_consistency_every and run.step % cfg.check_consistency_every == 0:
                 run.stepper.check_consistency()
             if run.step % cfg.save_every_n == 0:
@@ -243,9 +267,7 @@ def train_epochs(run: Run) -> TrainSummary:
         run.stepper.flush()  # a damaged rank is repaired before anything is saved
         if account.train_loss < run.best_train:  # the same value on every rank (from the votes)
             run.best_train = account.train_loss
-            if run.ctx.is_main:
-                run.stepper.local("checkpoint", lambda: save_best(
-                    run.cfg.exp_dir, "train", _best_payload(run)))
+            save_best_model(run, "train")
         if cfg.max_steps and run.step >= cfg.max_steps:
             break
         save(run, f"epoch-{epoch}.pt", next_epoch=True)
@@ -287,21 +309,20 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     from valle.models import get_model
 
     if ctx.channel is None:  # callers other than train() (GPU checks, benchmarks)
-        ctx.channel = ControlChannel(ctx, vote_slots=VOTE_SLOTS + ctx.world_size)
+        ctx.channel = control_channel(ctx)
     if faults is None:
-        faults = FaultInjector(cfg.inject_fault, ctx.rank, real=cfg.inject_fault_real,
-                               stall_seconds=cfg.stall_seconds)
+        faults = fault_injector(cfg, ctx)
 
     torch.manual_seed(cfg.seed)
     payload = find_resume_payload(cfg)
-    architecture = payload
+    architecture, initial_weights = payload, None
     if payload is None and cfg.start_from:
         from valle.models.convert import load_model_checkpoint
 
         # the architecture of the weights we start from, whatever the flags say
-        _, hparams = load_model_checkpoint(cfg.start_from)
+        initial_weights, hparams = load_model_checkpoint(cfg.start_from)
         architecture = {"config": hparams, "model": {}}
-    model = get_model(_model_params(cfg, architecture)).to(ctx.device)
+    model = get_model(model_hparams(cfg, architecture)).to(ctx.device)
     named = model.stage_parameters(cfg.train_stage)
     optimizer = build_optimizer(cfg.optimizer_name, named, cfg.base_lr, weight_decay=cfg.weight_decay)
     scheduler = build_scheduler(cfg.scheduler_name, optimizer, cfg.warmup_steps,
@@ -332,7 +353,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
         quarantine=quarantine, channel=ctx.channel,
     )
     # The model's head (a resumed checkpoint's, whatever the flag) must fit the corpus's codebook 0.
-    data = build_train_data(cfg, ctx, quarantine, ar_codebook_size=model.ar_codebook_size)
+    data = build_train_data(cfg, ctx, ar_codebook_size=model.ar_codebook_size)
     run = Run(cfg, ctx, model, optimizer, scheduler, scaler, averager, stepper, data, quarantine,
               TensorBoardLogger(cfg.exp_dir / "tensorboard" / f"stage{cfg.train_stage}", enabled=cfg.tensorboard and ctx.is_main),
               StallWatchdog(cfg.stall_factor, cfg.stall_min_seconds,
@@ -340,8 +361,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     if payload is not None:
         # A new stage has a new memory profile: only a same-stage resume skips the scan.
         run.resumed = not restore(run, payload)
-    elif cfg.start_from:
-        start_from(run)
+    elif initial_weights is not None:
+        start_from(run, initial_weights)
     # After restore: state created from the weights training starts from.
     stepper.materialize_state()
     logger.info("model: %.2f M parameters, %.2f M trained in stage %d; grad sync %s; %d rank(s) on %s",
@@ -351,7 +372,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     return run
 
 
-def _model_params(cfg: TrainConfig, payload: dict | None):
+def model_hparams(cfg: TrainConfig, payload: dict | None):
     """Model hyper-parameters: the flags, or a checkpoint's when resuming (old
     checkpoints included: keys they predate take the values they were trained with)."""
     import argparse
@@ -368,12 +389,9 @@ def _model_params(cfg: TrainConfig, payload: dict | None):
     return argparse.Namespace(**values)
 
 
-def start_from(run: Run) -> None:
-    """--start-from: initial weights from a checkpoint (ours or lifeiteng/vall-e's); the
-    architecture comes from it too; optimizer, schedule and data start afresh."""
-    from valle.models.convert import load_model_checkpoint
-
-    state, _ = load_model_checkpoint(run.cfg.start_from)
+def start_from(run: Run, state: dict[str, torch.Tensor]) -> None:
+    """--start-from: initial weights from a checkpoint (ours or lifeiteng/vall-e's, already
+    converted); the architecture came from it too; optimizer, schedule and data start afresh."""
     run.model.load_state_dict(state, strict=True)
     logger.info("initial weights from %s", run.cfg.start_from)
 
@@ -440,11 +458,12 @@ def save(run: Run, name: str, next_epoch: bool = False) -> None:
         return
 
     def write() -> None:
+        scaler = active_scaler(run)
         payload = make_payload(
             model=run.model.state_dict(),
-            model_avg=run.averager.averaged_state_dict(run.model) if run.averager else None,
+            model_avg=averaged_state(run),
             optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
-            scaler=run.scaler.state_dict() if run.scaler is not None and run.scaler.is_enabled() else None,
+            scaler=scaler.state_dict() if scaler is not None else None,
             sampler=sampler, step=run.step,
             epoch=run.epoch + 1 if next_epoch else run.epoch,
             batch_in_epoch=0 if next_epoch else sampler.get("batch_in_epoch", 0),
@@ -456,36 +475,41 @@ def save(run: Run, name: str, next_epoch: bool = False) -> None:
         remove_old_checkpoints(run.cfg.exp_dir, run.cfg.keep_last_k)
 
 
+def averaged_state(run: Run) -> dict[str, torch.Tensor] | None:
+    """The averaged model as a full model state dict (None without --average-period)."""
+    return run.averager.averaged_state_dict(run.model) if run.averager else None
+
+
+def save_best_model(run: Run, kind: str) -> None:
+    """best-<kind>-loss.pt (kind: train or valid), the weights only: rank 0's local work."""
+    if not run.ctx.is_main:
+        return
+    run.stepper.local("checkpoint", lambda: save_best(run.cfg.exp_dir, kind, make_payload(
+        model=run.model.state_dict(), model_avg=averaged_state(run), step=run.step,
+        epoch=run.epoch, train_stage=run.cfg.train_stage, config=run.cfg.args)))
+
+
 # -- validation -------------------------------------------------------------------
 
 
-def validate(run: Run) -> dict[str, float]:
-    """Each rank runs its own shard without collectives; one vote at the end."""
+def validate(run: Run) -> float | None:
+    """The validation loss, logged and in TensorBoard (None if a preemption signal cut it
+    short on some rank). Each rank runs its own shard without collectives; one vote at
+    the end."""
     with run.stepper.faults.host_work():
         batches = run.preemption.until_requested(run.data.valid_batches())
-    result = run.stepper.validate(batches)
+    result = run.stepper.validate(batches, cut_short=run.preemption.requested)
     values = MetricsTracker({**result.metrics, "loss": result.loss * result.frames,
                              "frames": result.frames}).normalized()
     values["valid_oom_batches"] = result.oom_batches
     logger.info("validation at step %d: loss %.4f over %d batches (%d skipped: out of memory)",
                 run.step, result.loss, result.batches, result.oom_batches)
     run.tb.scalars(run.step, values, prefix="valid/")
-    if run.preemption.requested():
-        logger.warning("validation at step %d cut short on this rank by a preemption signal: "
-                       "not a best-model candidate", run.step)
-    elif result.loss < run.best_valid:
-        run.best_valid = result.loss
-        if run.ctx.is_main:
-            run.stepper.local("checkpoint", lambda: save_best(
-                run.cfg.exp_dir, "valid", _best_payload(run)))
-    return values
-
-
-def _best_payload(run: Run) -> dict:
-    return make_payload(model=run.model.state_dict(),
-                        model_avg=run.averager.averaged_state_dict(run.model) if run.averager else None,
-                        step=run.step, epoch=run.epoch, train_stage=run.cfg.train_stage,
-                        config=run.cfg.args)
+    if result.cut_short:
+        logger.warning("validation at step %d cut short by a preemption signal on %d rank(s): "
+                       "not a best-model candidate", run.step, result.cut_short)
+        return None
+    return result.loss
 
 
 # -- logging ----------------------------------------------------------------------
@@ -502,10 +526,36 @@ def step_metrics(r: StepResult) -> dict[str, float]:
     return values
 
 
+def active_scaler(run: Run) -> torch.amp.GradScaler | None:
+    """The GradScaler when it scales (--dtype float16), else None."""
+    return run.scaler if run.scaler is not None and run.scaler.is_enabled() else None
+
+
+def grad_scale(run: Run) -> float | None:
+    """The GradScaler's current loss scale (None without one: no --dtype float16)."""
+    scaler = active_scaler(run)
+    return scaler.get_scale() if scaler is not None else None
+
+
+def grad_scale_just_collapsed(run: Run) -> bool:
+    """True the first time the fp16 loss scale is found collapsed, with a warning.
+
+    A collapsed scale means an overflow at every step: the caller keeps what it has (a
+    checkpoint) and the user is told, rather than training dying with NaNs later."""
+    scale = grad_scale(run)
+    if scale is None or scale >= GRAD_SCALE_COLLAPSED or run.scale_warned:
+        return False
+    run.scale_warned = True
+    logger.warning("grad scale collapsed to %.3g at step %d: saving a checkpoint; consider "
+                   "--dtype bfloat16 or a lower --base-lr", scale, run.step)
+    return True
+
+
 def log_progress(run: Run, totals: MetricsTracker, meter: ThroughputMeter) -> None:
+    """The progress line and the train/ TensorBoard scalars of the last --log-interval steps."""
     values = totals.normalized()
     lr = run.scheduler.get_last_lr()[0]
-    scale = run.scaler.get_scale() if run.scaler is not None and run.scaler.is_enabled() else None
+    scale = grad_scale(run)
     with run.stepper.faults.host_work():  # the sampler's length: host work
         hint = run.data.steps_hint(run.cfg.num_epochs)
     total = run.cfg.max_steps or hint or (
@@ -526,13 +576,6 @@ def log_progress(run: Run, totals: MetricsTracker, meter: ThroughputMeter) -> No
     run.tb.scalars(run.step, {**values, "lr": lr, "grad_scale": scale, "it_per_s": meter.rate,
                               "step_time_s": 1.0 / meter.rate if meter.rate else None,
                               "max_memory_mib": memory}, prefix="train/")
-    if scale is not None and scale < GRAD_SCALE_COLLAPSED and not run.scale_warned:
-        # fp16 loss scale collapsing means overflow at every step: keep what we have
-        # and tell the user, rather than dying with NaNs later.
-        run.scale_warned = True
-        logger.warning("grad scale collapsed to %.3g at step %d: saving a checkpoint; consider "
-                       "--dtype bfloat16 or a lower --base-lr", scale, run.step)
-        save(run, f"checkpoint-{run.step}.pt")
 
 
 def log_trained_cuts(run: Run, result: StepResult) -> None:

@@ -34,7 +34,6 @@ from torch.optim import Optimizer
 __all__ = [
     "ScaledAdam",
     "Adam",
-    "materialize_optimizer_state",
     "LRScheduler",
     "Eden",
     "NoamScheduler",
@@ -463,14 +462,6 @@ class Adam(Optimizer):
         torch._foreach_copy_(params, new_p)
         for s, k, avg, sq in zip(states, steps, new_avg, new_sq):
             s["step"], s["exp_avg"], s["exp_avg_sq"] = k, avg, sq
-
-
-def materialize_optimizer_state(optimizer: Optimizer) -> None:
-    """Create the optimizer's state up front (see ScaledAdam.materialize_state)."""
-    materialize = getattr(optimizer, "materialize_state", None)
-    if materialize is None:
-        raise TypeError(f"{type(optimizer).__name__} cannot create its state up front")
-    materialize()
 
 
 # --------------------------------------------------------------------------

@@ -12,9 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from valle.train.batching import Batch
-
-AUDIO_PAD = 1024  # NUM_AUDIO_TOKENS: pad/eos id of the audio codebooks
+from valle.train.batching import AUDIO_PAD, TEXT_PAD, Batch
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,7 @@ def collate(cuts: list[dict]) -> Batch:
     text_lens = torch.tensor([len(c["text"]) for c in cuts], dtype=torch.long)
     audio_lens = torch.tensor([len(c["codes"]) for c in cuts], dtype=torch.long)
     q = cuts[0]["codes"].shape[1]
-    text = torch.full((len(cuts), int(text_lens.max())), 1, dtype=torch.long)  # <pad> = 1
+    text = torch.full((len(cuts), int(text_lens.max())), TEXT_PAD, dtype=torch.long)
     audio = torch.full((len(cuts), int(audio_lens.max()), q), AUDIO_PAD, dtype=torch.long)
     for i, c in enumerate(cuts):
         text[i, : len(c["text"])] = c["text"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.harness import run_world, values
 from valle.train.dist import DistContext
-from valle.train.harness import run_world, values
 from valle.train.resilience.channel import ControlChannel
 from valle.train.resilience.faults import FaultInjector
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.harness import run_world, values
+from tests.support.scenarios import TINY_MODEL, matrix_worker
 from valle.train.cli import parse_config
-from valle.train.harness import run_world, values
 from valle.train.resilience.faults import OOM_PHASES, FaultInjector, parse_fault
-from valle.train.scenarios import TINY_MODEL, matrix_worker
 
 WORLD = 3
 FAULT_STEP, FAULT_RANK = 2, 1

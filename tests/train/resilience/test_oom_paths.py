@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+from tests.support.scenarios import TINY_MODEL
 from valle.train.cli import parse_config
 from valle.train.dist import DistContext
 from valle.train.optim import build_optimizer
@@ -18,7 +19,6 @@ from valle.train.resilience.faults import InjectedOutOfMemoryError
 from valle.train.resilience.gradsync import LocalGradSync
 from valle.train.resilience.quarantine import OomPolicy
 from valle.train.resilience.step import ResilientStep, StepConfig
-from valle.train.scenarios import TINY_MODEL
 from valle.train.synthetic import SyntheticCorpus, SyntheticSpec, collate
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,11 +26,11 @@ pytestmark = pytest.mark.timeout(120)
 
 def _stepper(tmp_path, reserve_mb: int = 0, **cfg) -> ResilientStep:
     from valle.models import get_model
-    from valle.train.loop import _model_params
+    from valle.train.loop import model_hparams
 
     config = parse_config(TINY_MODEL + ["--exp-dir", str(tmp_path), "--synthetic-data", "8"])
     torch.manual_seed(0)
-    model = get_model(_model_params(config, None))
+    model = get_model(model_hparams(config, None))
     named = model.stage_parameters(0)
     optimizer = build_optimizer("ScaledAdam", named, 0.01)
     sync = LocalGradSync([p for _, p in named])

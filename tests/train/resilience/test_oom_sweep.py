@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from valle.train.resilience.sweep import (
+from tests.support.sweep import (
     SweepConfig,
     choose_points,
     classify,

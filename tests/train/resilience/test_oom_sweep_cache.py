@@ -1,6 +1,7 @@
 """scripts/oom_sweep.py keys its cache by the code it sweeps: a commit that changes only docs
 or tests keeps the results (the whole sweep takes about two hours), while any committed or
-uncommitted change to valle/, bin/ or scripts/ starts a new cache."""
+uncommitted change to valle/, bin/, scripts/ or tests/support/ (the sweep driver and the
+runs it starts) starts a new cache."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def test_the_cache_key_follows_the_swept_code_only(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
     _git(repo, "init", "-q")
-    for path in ("valle/step.py", "bin/trainer.py", "scripts/oom_sweep.py", "docs/oom.md"):
+    for path in ("valle/step.py", "bin/trainer.py", "scripts/oom_sweep.py", "tests/support/sweep.py",
+                 "docs/oom.md"):
         _commit(repo, path, "v1\n")
     first = oom_sweep._code_key(repo)
     assert first.startswith("code-") and "-" not in first.removeprefix("code-")
@@ -54,4 +56,8 @@ def test_the_cache_key_follows_the_swept_code_only(tmp_path):
     assert committed != first and "-" not in committed.removeprefix("code-")
 
     _commit(repo, "scripts/oom_sweep.py", "v2\n")
-    assert oom_sweep._code_key(repo) != committed
+    script = oom_sweep._code_key(repo)
+    assert script != committed
+
+    _commit(repo, "tests/support/sweep.py", "v2\n")  # the sweep driver is swept code
+    assert oom_sweep._code_key(repo) != script

@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from valle.train.harness import run_world, values
+from tests.support.harness import run_world, values
+from tests.support.scenarios import TINY_MODEL, matrix_worker
 from valle.train.resilience.faults import OOM_PHASES
-from valle.train.scenarios import TINY_MODEL, matrix_worker
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(400)]
 
@@ -90,7 +90,7 @@ def test_clean_runs_train(matrix, tmp_path):
     """The baseline itself must have moved the parameters (else equivalence is vacuous)."""
     from valle.models import get_model
     from valle.train.cli import parse_config
-    from valle.train.loop import _model_params
+    from valle.train.loop import model_hparams
 
     for world_size in WORLD_SIZES:
         clean = matrix[world_size][0]["clean"]
@@ -98,6 +98,6 @@ def test_clean_runs_train(matrix, tmp_path):
         assert clean["summary"]["epochs"][0]["oom_events"] == 0
         cfg = parse_config(base_argv(tmp_path, world_size))
         torch.manual_seed(cfg.seed)  # the trainer's initialisation
-        initial = get_model(_model_params(cfg, None)).state_dict()
+        initial = get_model(model_hparams(cfg, None)).state_dict()
         moved = [k for k, v in clean["params"].items() if not torch.equal(v, initial[k])]
         assert len(moved) > len(initial) // 2, f"only {len(moved)} of {len(initial)} tensors trained"

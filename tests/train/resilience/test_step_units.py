@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.support.harness import run_world, values
 from valle.train.batching import concat_batches, drop_cuts, split_batch
-from valle.train.harness import run_world, values
 from valle.train.resilience.faults import FaultInjector, InjectedOutOfMemoryError, parse_fault
 from valle.train.resilience.gradsync import BucketedGradSync
 from valle.train.resilience.memory import is_oom_error

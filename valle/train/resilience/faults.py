@@ -147,10 +147,6 @@ class FaultInjector:
         self._error_phase: str | None = None
         self._mode: _AllocationMode | None = None
 
-    @property
-    def active(self) -> bool:
-        return bool(self.specs)
-
     def begin_attempt(self, step: int, attempt: int) -> None:
         if step != self.step:
             self.allocations = 0  # a new step window

@@ -49,7 +49,7 @@ class ScanRow:
                 f"{'ok' if self.fits else 'OOM'}")
 
 
-def scan_pessimistic_batches(stepper, batches: dict[str, Batch], optimizer, cfg: TrainConfig) -> list[ScanRow]:
+def scan_pessimistic_batches(stepper, batches: dict[str, Batch], cfg: TrainConfig) -> list[ScanRow]:
     device = stepper.device
     # The optimizer state is real by now (ResilientStep.materialize_state): it takes
     # its memory here as it will in training, no stand-in needed.

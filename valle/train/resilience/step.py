@@ -166,6 +166,7 @@ class Validation:
     frames: float
     batches: int  # global
     oom_batches: int  # global: skipped after an OOM
+    cut_short: int = 0  # ranks that stopped early (a preemption signal)
 
 
 def sample_seed(seed: int, step: int, cut_id: str) -> int:
@@ -330,8 +331,10 @@ class ResilientStep:
         loss = None
         self.sync.zero_grad()
 
-    def validate(self, batches: Iterable[Batch]) -> Validation:
+    def validate(self, batches: Iterable[Batch],
+                 cut_short: Callable[[], bool] = lambda: False) -> Validation:
         """Validation loss over this rank's batches, summed over ranks with one vote.
+        `cut_short()` after the batches: whether this rank stopped early (said in the vote).
 
         A batch that runs out of memory is skipped and counted; the reduction has the
         same layout on every rank whatever failed, so it cannot mismatch."""
@@ -350,11 +353,13 @@ class ResilientStep:
         finally:
             self.model.train(was_training)
         with self.faults.phase_scope("vote"):
-            v = self.channel.reduce([0.0, float(count), float(oom_batches)], used=3 + len(sums))
+            v = self.channel.reduce([float(cut_short()), float(count), float(oom_batches)],
+                                    used=3 + len(sums))
         metrics = {k: v[4 + i] for i, k in enumerate(METRIC_KEYS)}
         frames = metrics["ar_frames"] + metrics["nar_frames"]
         return Validation(loss=v[3] / frames if frames else math.inf, metrics=metrics,
-                          frames=frames, batches=int(v[1]), oom_batches=int(v[2]))
+                          frames=frames, batches=int(v[1]), oom_batches=int(v[2]),
+                          cut_short=int(v[0]))
 
     def fingerprints(self) -> dict[str, int]:
         """Exact fingerprints of parameters, optimizer, scaler and averaged model."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from valle.train.harness import WorldTimeout, run_world
+from tests.support.harness import WorldTimeout, run_world
 
 OUTCOMES = ("survived", "clean exit", "crash", "hang", "lost", "not hit")
 NAMED_ERRORS = ("NoHealthyRankError", "OomNotDataError", "BatchTooLargeError", "StartupError")
@@ -101,7 +101,7 @@ class SweepResult:
 
 
 def trainer_argv(exp_dir: Path, cfg: SweepConfig, extra: list[str]) -> list[str]:
-    from valle.train.scenarios import TINY_MODEL
+    from tests.support.scenarios import TINY_MODEL
 
     w = cfg.world_size
     argv = TINY_MODEL + [
@@ -134,7 +134,7 @@ def sweep_worker(rank: int, world_size: int, cfg: SweepConfig, points: list[int]
     """Run the points in order in this process group; one JSON line per point."""
     import torch
 
-    from valle.train.scenarios import train_worker
+    from tests.support.scenarios import train_worker
 
     _quiet()
     clean = torch.load(clean_params_path) if clean_params_path else None
@@ -174,11 +174,11 @@ def _initial_params(cfg: SweepConfig, root: Path) -> dict:
 
     from valle.models import get_model
     from valle.train.cli import parse_config
-    from valle.train.loop import _model_params
+    from valle.train.loop import model_hparams
 
     config = parse_config(trainer_argv(root / "initial", cfg, []))
     torch.manual_seed(config.seed)
-    return get_model(_model_params(config, None)).state_dict()
+    return get_model(model_hparams(config, None)).state_dict()
 
 
 def _equal(params: dict, clean: dict | None, initial: dict | None = None,
@@ -206,7 +206,7 @@ def _append(path: Path, record: dict) -> None:
 
 
 def census_worker(rank: int, world_size: int, argv: list[str]) -> dict[str, Any]:
-    from valle.train.scenarios import train_worker
+    from tests.support.scenarios import train_worker
 
     _quiet()
     return train_worker(rank, world_size, argv)

@@ -1,9 +1,9 @@
 """Run a function on N local ranks (gloo on CPU) with a hard deadline.
 
-Used by the multi-rank tests, `make bench` and `make gpu-check`. Every run has
-a timeout: a hang kills the workers and raises `WorldTimeout` instead of
-freezing the caller. Each worker joins the process group through the same
-env:// path torchrun uses.
+Used by the multi-rank tests, the allocation sweep and scripts/bench_step.py
+(`make bench`). Every run has a timeout: a hang kills the workers and raises
+`WorldTimeout` instead of freezing the caller. Each worker joins the process
+group through the same env:// path torchrun uses.
 """
 
 from __future__ import annotations

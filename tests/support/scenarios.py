@@ -1,6 +1,6 @@
-"""Training runs used by the multi-rank tests, `make bench` and `make gpu-check`.
+"""Trainer runs for the multi-rank tests and the allocation sweep (tests/support/sweep.py).
 
-Each function runs inside a rank started by `valle.train.harness.run_world` and
+Each function runs inside a rank started by `tests.support.harness.run_world` and
 returns plain data (pickled back to the caller).
 """
 
