@@ -200,7 +200,11 @@ def test_sigusr1_to_one_worker_during_validation_twice(tmp_path, reference):
     code = finish(proc)
     text = log.read_text()
     assert code != 0  # torchrun reports its workers' exit 17 as a failure
-    assert "(1/2) validation at step 3 cut short on this rank by a preemption signal" in text
+    # Said in the validation's vote: no rank takes the partial loss as a best model.
+    for rank in (0, 1):
+        assert (f"({rank}/2) validation at step 3 cut short by a preemption signal on 1 rank(s)"
+                in text), text[-6000:]
+    assert not (exp / "best-valid-loss.pt").exists()
     # The next step's vote carried rank 1's flag: both ranks stop after step index 3.
     for rank in (0, 1):
         assert f"({rank}/2) preempted: stopped after step 4" in text, text[-6000:]
