@@ -24,7 +24,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 from models_testlib import tiny_model  # noqa: E402
 
-from valle.infer import RunResult, write_wav  # noqa: E402
+from valle.infer import Failure, RunResult, write_wav  # noqa: E402
 from valle.models import NUM_AUDIO_TOKENS  # noqa: E402
 from valle.serve.app import PageSettings, create_app  # noqa: E402
 from valle.serve.cli import create_app_from_args, parse_args  # noqa: E402
@@ -119,8 +119,7 @@ def _check_wav(content: bytes) -> float:
 def test_options_list_checkpoints_prompts_and_defaults(client):
     body = client.get("/api/options").json()
     ids = [c["id"] for c in body["checkpoints"]]
-    assert ids[0] == "best-valid-loss.pt" and set(ids) == {"best-valid-loss.pt", "epoch-1.pt",
-                                                           "x/epoch-2.pt", "broken.pt"}  # fmt: skip
+    assert ids == ["best-valid-loss.pt", "epoch-1.pt", "broken.pt", "x/epoch-2.pt"]
     assert body["default_checkpoint"] == "best-valid-loss.pt"
     assert body["prompts"] == [{"name": "fox.wav", "transcript": PROMPT_TEXT, "url": "/api/prompts/fox.wav"}]
     assert body["defaults"]["top_k"] == 1 and body["defaults"]["language"] == "en-us"
@@ -180,12 +179,24 @@ def test_bad_input_gets_its_message(client, served, fields, upload, field, messa
     body = response.json()
     assert message in body["error"] and "Traceback" not in body["error"]
     assert body["field"] == field
+    uploads = served["tmp"] / "results" / "uploads"
+    assert not uploads.exists() or not any(uploads.iterdir()), "a refused upload was left behind"
 
 
 @pytest.mark.timeout(300)
 def test_missing_result_is_a_json_404(client):
     response = client.get("/api/results/0123/synthesis.wav")
     assert response.status_code == 404 and "no result" in response.json()["error"]
+
+
+def test_command_line_refuses_bad_flags_in_one_line(capsys):
+    from valle.serve.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([])
+    assert exit_info.value.code == 2 and "give --exp-dir or --checkpoint" in capsys.readouterr().err
+    assert main(["--exp-dir", "exp", "--num-candidates", "0"]) == 2
+    assert "error: --num-candidates must be >= 1, got 0" in capsys.readouterr().err
 
 
 class SlowFakeBackend:
@@ -231,6 +242,41 @@ def test_concurrent_requests_are_serialized(served, tmp_path):
         assert start >= end, f"two syntheses overlapped: {spans}"
     # the later ones say they waited in the queue
     assert sorted(r.json()["waited"] for r in responses)[-1] >= 0.6
+    assert service.queue.pending == 0
+
+
+class BrokenBackend:
+    """Fails each synthesis the way a model can: no audio, out of memory, a bug."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def languages(self, args):
+        return [args.language]
+
+    def synthesize(self, args, item) -> RunResult:
+        if self.error is None:
+            return RunResult(failures=[Failure(item.name, "the AR model emitted EOS as its first token")])
+        raise self.error
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "error, status, message",
+    [
+        (None, 422, "no audio: the AR model emitted EOS as its first token"),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 503, "out of GPU memory"),
+        (RuntimeError("shape mismatch"), 500, "internal error (RuntimeError: shape mismatch)"),
+    ],
+)
+def test_model_failures_are_messages(served, tmp_path, error, status, message):
+    _, infer_args = parse_args(_server_argv(served))
+    service = SynthesisService(BrokenBackend(error), infer_args, ResultStore(tmp_path / "results"))
+    app = create_app(service, PageSettings(exp_dir=served["exp"], upload_dir=tmp_path / "uploads"))
+    response = _post(TestClient(app, raise_server_exceptions=False), prompt=served["prompt"])
+    assert response.status_code == status and message in response.json()["error"]
+    assert not any((tmp_path / "results").iterdir()), "a failed result's directory was left behind"
+    # the queue still serves the next request
     assert service.queue.pending == 0
 
 
@@ -304,5 +350,13 @@ def test_page_in_headless_chromium(app, served, tmp_path):
             assert "the prompt notes.txt is not an audio file" in page.inner_text("#error")
             assert "notes.txt" in page.inner_text('.field-error[data-field="prompt"]')
             page.screenshot(path=str(tmp_path / "page-error.png"), full_page=True)
+
+            # a VALL-E X checkpoint offers its languages, for the text and for the prompt
+            page.select_option("#checkpoint", "x/epoch-2.pt")
+            page.wait_for_function(
+                "document.getElementById('checkpoint-status').textContent.startsWith('multilingual')")
+            assert page.is_visible("#prompt-language")
+            assert page.eval_on_selector_all("#language option", "os => os.map(o => o.value)") == [
+                "en-us", "fr-fr"]  # fmt: skip
         finally:
             browser.close()

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
@@ -63,6 +64,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         name = str(first.get("loc", ("", "?"))[-1])
         return _error(400, f"{name}: {first.get('msg', 'invalid value')}", name)
 
+    @app.exception_handler(torch.OutOfMemoryError)
+    async def out_of_memory(_request: Request, exc: torch.OutOfMemoryError):
+        logger.warning("synthesis ran out of device memory: %s", str(exc).splitlines()[0])
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the next request starts from the cached models alone
+        return _error(503, "out of GPU memory: try a shorter text or prompt, or fewer candidates")
+
     @app.exception_handler(Exception)
     async def crash(_request: Request, exc: Exception):
         logger.exception("synthesis page: unexpected error")
@@ -70,13 +78,22 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 async def _save_upload(upload: UploadFile, upload_dir: Path) -> Path:
-    """The uploaded prompt in a file of its own, checked to be audio that soundfile can read."""
+    """The uploaded prompt in a directory of its own (removed again when it is refused)."""
+    path = upload_dir / uuid.uuid4().hex / Path(upload.filename or "prompt.wav").name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        await _write_checked_upload(upload, path)
+    except BaseException:
+        shutil.rmtree(path.parent, ignore_errors=True)
+        raise
+    return path
+
+
+async def _write_checked_upload(upload: UploadFile, path: Path) -> None:
+    """Write the upload to ``path``; refuse it unless it is audio that soundfile can read."""
     import soundfile as sf
 
-    name = Path(upload.filename or "prompt.wav").name
-    path = upload_dir / uuid.uuid4().hex / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    size = 0
+    name, size = path.name, 0
     with open(path, "wb") as out:
         while chunk := await upload.read(1 << 20):
             size += len(chunk)
@@ -93,7 +110,6 @@ async def _save_upload(upload: UploadFile, upload_dir: Path) -> Path:
                                    f"{str(e).split(': ', 1)[-1]}") from e  # fmt: skip
     if info.frames == 0:
         raise FieldError("prompt", f"the prompt {name} holds no samples")
-    return path
 
 
 def create_app(service: SynthesisService, settings: PageSettings) -> FastAPI:
@@ -157,24 +173,23 @@ def create_app(service: SynthesisService, settings: PageSettings) -> FastAPI:
             raise FieldError("checkpoint", str(e)) from e
         if not text.strip():
             raise FieldError("text", "type the text to synthesise")
-        upload_dir = None
-        if prompt is not None and prompt.filename:
-            prompt_wav = await _save_upload(prompt, settings.upload_dir)
-            upload_dir = prompt_wav.parent
-        elif prompt_name:
-            prompt_wav = resolve_prompt(find_prompts(settings.prompt_dir), prompt_name).path
-        else:
+        uploaded = prompt is not None and bool(prompt.filename)
+        if not uploaded and not prompt_name:
             raise FieldError("prompt", "no prompt: upload a prompt wav or choose an example prompt")
         if not prompt_text.strip():
             raise FieldError("prompt_text", "type the transcript of the prompt audio")
+        if uploaded:
+            prompt_wav = await _save_upload(prompt, settings.upload_dir)
+        else:
+            prompt_wav = resolve_prompt(find_prompts(settings.prompt_dir), prompt_name).path
         request = SynthesisRequest(path, prompt_wav, prompt_text, text, language or None,
                                    prompt_language or None, top_k, top_p, temperature,
                                    num_candidates, seed)  # fmt: skip
         try:
             result = await service.synthesize(request)
         finally:
-            if upload_dir is not None:
-                shutil.rmtree(upload_dir, ignore_errors=True)
+            if uploaded:
+                shutil.rmtree(prompt_wav.parent, ignore_errors=True)
         return {"id": result.id, "wav_url": f"/api/results/{result.id}/synthesis.wav",
                 "spectrogram_url": f"/api/results/{result.id}/spectrogram.png",
                 "duration": round(result.seconds, 3), "elapsed": round(result.elapsed, 3),

@@ -26,10 +26,11 @@ class PromptEntry:
 
 
 def _checkpoint_rank(path: Path) -> tuple:
-    """best-valid-loss.pt first (what bin/infer.py picks for an exp dir), then newest epochs."""
+    """Directory by directory: best-valid-loss.pt first (what bin/infer.py picks for an exp dir),
+    then the newest epochs, then the rest by name."""
     epoch = re.fullmatch(r"epoch-(\d+)\.pt", path.name)
-    return (path.name != BEST_CHECKPOINT, epoch is None, -int(epoch.group(1)) if epoch else 0,
-            str(path))  # fmt: skip
+    return (str(path.parent), path.name != BEST_CHECKPOINT, epoch is None,
+            -int(epoch.group(1)) if epoch else 0, path.name)  # fmt: skip
 
 
 def find_checkpoints(exp_dir: Path | None, extra: list[Path]) -> list[CheckpointEntry]:
