@@ -575,6 +575,28 @@ def synthesize_items(synth: Synthesizer, items: list[Item], args: argparse.Names
     return result
 
 
+def load_for_synthesis(args: argparse.Namespace, device: torch.device):
+    """(model, checkpoint config, symbol table path, audio tokenizer) of ``args.checkpoint``, loaded
+    and checked as ``run`` does, for callers that keep them across requests (bin/serve.py) and build
+    a ``Synthesizer`` per request language. Bad input raises ``InputError``."""
+    model, config = load_model(args.checkpoint, device, args.use_averaged_model, DTYPES[args.dtype])
+    table = args.text_tokens or config.get("text_tokens")
+    if not table:
+        raise InputError("the checkpoint names no text_tokens symbol table: pass --text-tokens")
+    if not Path(table).is_file():
+        raise InputError(f"symbol table {table} not found (pass --text-tokens)")
+    from valle.codec import CodecMismatchError, codec_for_checkpoint
+
+    try:
+        audio_tokenizer = codec_for_checkpoint(
+            config, device, args.encodec_checkpoint, args.allow_random_encodec,
+            codec_dir=args.codec_dir,
+        )  # fmt: skip
+    except (FileNotFoundError, CodecMismatchError) as e:
+        raise InputError(str(e)) from e
+    return model, config, table, audio_tokenizer
+
+
 def run(args: argparse.Namespace) -> RunResult:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     items = read_items(args)

@@ -1,0 +1,371 @@
+"""bin/serve.py: the synthesis page's API on a tiny checkpoint, its one-at-a-time queue, and the
+page itself in a real headless Chromium (skipped, with the reason, where there is none)."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[serve]')")
+pytest.importorskip("httpx", reason="FastAPI's TestClient needs httpx (the dev extra)")
+sf = pytest.importorskip("soundfile")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent / "models"))
+from models_testlib import tiny_model  # noqa: E402
+
+from valle.infer import Failure, RunResult, write_wav  # noqa: E402
+from valle.models import NUM_AUDIO_TOKENS  # noqa: E402
+from valle.serve.app import PageSettings, create_app  # noqa: E402
+from valle.serve.cli import create_app_from_args, parse_args  # noqa: E402
+from valle.serve.engine import ResultStore, SynthesisService  # noqa: E402
+
+PROMPT_TEXT = "the quick brown fox"
+TEXT = "jumps over the dog"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+
+
+def _phonemes(text: str) -> list[str]:
+    from valle.data.text import TextTokenizer
+
+    return TextTokenizer(language="en-us")([text])[0]
+
+
+def _save_checkpoint(model, config: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"format": "valle-checkpoint-1", "model": model.state_dict(), "model_avg": None,
+                "step": 1, "epoch": 1, "batch_in_epoch": 1, "train_stage": 0, "config": config,
+                "rng": {"numpy": np.random.get_state()}, "quarantine": []}, path)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """An exp dir with a tiny checkpoint (as tests/models/test_infer_cli.py makes it), a VALL-E X
+    one, a file that is no checkpoint, and a prompt dir with one example prompt and its transcript."""
+    from valle.data.symbols import SymbolTable
+
+    tmp = tmp_path_factory.mktemp("serve")
+    table = tmp / "unique_text_tokens.k2symbols"
+    SymbolTable.from_symbols(sorted(set(_phonemes(f"{PROMPT_TEXT} {TEXT}")))).to_file(table)
+    model = tiny_model("valle", 1, share_embedding=False)
+    with torch.no_grad():  # EOS logit 0 against 1024 random ones: greedy decoding runs to the cap
+        model.ar_predict_layer.weight[NUM_AUDIO_TOKENS] = 0.0
+    config = dict(model.hparams, text_tokens=str(table), train_stage=0)
+    exp = tmp / "exp"
+    _save_checkpoint(model, config, exp / "best-valid-loss.pt")
+    shutil.copy(exp / "best-valid-loss.pt", exp / "epoch-1.pt")
+    multi = tiny_model("valle", 1, num_languages=2)
+    _save_checkpoint(multi, dict(multi.hparams, text_tokens=str(table), languages=["en-us", "fr-fr"]),
+                     exp / "x" / "epoch-2.pt")  # fmt: skip
+    (exp / "broken.pt").write_bytes(b"not a checkpoint")
+    prompts = tmp / "prompts"
+    prompts.mkdir()
+    prompt = prompts / "fox.wav"
+    sf.write(str(prompt), np.random.default_rng(0).uniform(-0.3, 0.3, 24000).astype(np.float32), 24000)
+    (prompts / "fox.txt").write_text(PROMPT_TEXT + "\n")
+    return {"tmp": tmp, "exp": exp, "prompts": prompts, "prompt": prompt}
+
+
+def _server_argv(served, **over) -> list[str]:
+    flags = {"--exp-dir": served["exp"], "--prompt-dir": served["prompts"],
+             "--results-dir": served["tmp"] / "results", "--top-k": 1, "--max-len-ratio": 1.0,
+             "--device": "cpu"}  # fmt: skip
+    flags.update(over)
+    return [str(x) for kv in flags.items() for x in kv] + ["--allow-random-encodec"]
+
+
+@pytest.fixture(scope="module")
+def app(served):
+    return create_app_from_args(*parse_args(_server_argv(served)))
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def _post(client, prompt: Path | None = None, upload: tuple[str, bytes] | None = None, **fields):
+    data = {"checkpoint": "best-valid-loss.pt", "text": TEXT, "prompt_text": PROMPT_TEXT}
+    data.update({k: str(v) for k, v in fields.items()})
+    files = None
+    if prompt is not None:
+        files = {"prompt": (prompt.name, prompt.read_bytes(), "audio/wav")}
+    elif upload is not None:
+        files = {"prompt": (upload[0], upload[1], "application/octet-stream")}
+    return client.post("/api/synthesize", data=data, files=files)
+
+
+def _check_wav(content: bytes) -> float:
+    """A playable wav: RIFF/WAVE header, readable, non-empty; its duration in seconds."""
+    assert content[:4] == b"RIFF" and content[8:12] == b"WAVE"
+    wav, sr = sf.read(io.BytesIO(content))
+    assert sr == 24000 and len(wav) > 0 and np.isfinite(wav).all()
+    return len(wav) / sr
+
+
+@pytest.mark.timeout(300)
+def test_options_list_checkpoints_prompts_and_defaults(client):
+    body = client.get("/api/options").json()
+    ids = [c["id"] for c in body["checkpoints"]]
+    assert ids == ["best-valid-loss.pt", "epoch-1.pt", "broken.pt", "x/epoch-2.pt"]
+    assert body["default_checkpoint"] == "best-valid-loss.pt"
+    assert body["prompts"] == [{"name": "fox.wav", "transcript": PROMPT_TEXT, "url": "/api/prompts/fox.wav"}]
+    assert body["defaults"]["top_k"] == 1 and body["defaults"]["language"] == "en-us"
+    assert client.get("/").text.count("<form") == 1
+    _check_wav(client.get("/api/prompts/fox.wav").content)
+
+
+@pytest.mark.timeout(300)
+def test_languages_of_a_checkpoint(client):
+    assert client.get("/api/languages", params={"checkpoint": "x/epoch-2.pt"}).json()["languages"] == [
+        "en-us", "fr-fr"]  # fmt: skip
+    assert client.get("/api/languages", params={"checkpoint": "epoch-1.pt"}).json()["languages"] == ["en-us"]
+
+
+@pytest.mark.timeout(300)
+def test_uploaded_prompt_gives_a_playable_wav_and_spectrogram(client, served):
+    response = _post(client, prompt=served["prompt"], seed=3, num_candidates=2, temperature=0.9)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    seconds = _check_wav(client.get(body["wav_url"]).content)
+    text_len = len(_phonemes(f"{PROMPT_TEXT} {TEXT}")) + 2  # + <bos>, <eos>; --max-len-ratio 1
+    assert seconds == pytest.approx(text_len * 320 / 24000) == pytest.approx(body["duration"])
+    png = client.get(body["spectrogram_url"])
+    assert png.status_code == 200 and png.content[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(300)
+def test_example_prompt_by_name(client):
+    response = _post(client, prompt_name="fox.wav", checkpoint="epoch-1.pt")
+    assert response.status_code == 200, response.text
+    assert _check_wav(client.get(response.json()["wav_url"]).content) > 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "fields, upload, field, message",
+    [
+        ({}, None, "prompt", "no prompt: upload a prompt wav or choose an example prompt"),
+        ({}, ("notes.txt", b"these are words, not audio"), "prompt", "the prompt notes.txt is not an audio file"),
+        ({}, ("empty.wav", b""), "prompt", "the prompt empty.wav is empty"),
+        ({"text": "   "}, "ok", "text", "type the text to synthesise"),
+        ({"prompt_text": ""}, "ok", "prompt_text", "type the transcript of the prompt audio"),
+        ({"text": "zebra quartz"}, "ok", None, "unknown text symbol"),
+        ({"checkpoint": "nope.pt"}, "ok", "checkpoint", "checkpoint nope.pt not found"),
+        ({"checkpoint": "broken.pt"}, "ok", None, "broken.pt"),
+        ({"prompt_name": "nobody.wav"}, None, None, "example prompt nobody.wav not found"),
+        ({"num_candidates": 0}, "ok", None, "--num-candidates must be >= 1"),
+        ({"top_k": "many"}, "ok", "top_k", "top_k: Input should be a valid integer"),
+        ({"checkpoint": "x/epoch-2.pt", "language": "de"}, "ok", None,
+         "--language de: not one of the model's languages"),
+    ],
+)
+def test_bad_input_gets_its_message(client, served, fields, upload, field, message):
+    prompt = served["prompt"] if upload == "ok" else None
+    response = _post(client, prompt=prompt, upload=None if upload == "ok" else upload, **fields)
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert message in body["error"] and "Traceback" not in body["error"]
+    assert body["field"] == field
+    uploads = served["tmp"] / "results" / "uploads"
+    assert not uploads.exists() or not any(uploads.iterdir()), "a refused upload was left behind"
+
+
+@pytest.mark.timeout(300)
+def test_missing_result_is_a_json_404(client):
+    response = client.get("/api/results/0123/synthesis.wav")
+    assert response.status_code == 404 and "no result" in response.json()["error"]
+
+
+def test_command_line_refuses_bad_flags_in_one_line(capsys):
+    from valle.serve.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([])
+    assert exit_info.value.code == 2 and "give --exp-dir or --checkpoint" in capsys.readouterr().err
+    assert main(["--exp-dir", "exp", "--num-candidates", "0"]) == 2
+    assert "error: --num-candidates must be >= 1, got 0" in capsys.readouterr().err
+
+
+class GatedFakeBackend:
+    """Records when each synthesis starts and ends; holds them until ``gate`` opens, so the test
+    can have every request queued at once (several running at once would overlap)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.spans, self.gate = seconds, [], threading.Event()
+        self._lock = threading.Lock()
+
+    def languages(self, args):
+        return [args.language]
+
+    def synthesize(self, args, item) -> RunResult:
+        assert self.gate.wait(60), "the test never opened the gate"
+        start = time.monotonic()
+        time.sleep(self.seconds)
+        write_wav(item.out_wav, torch.full((2400,), 0.1))
+        with self._lock:
+            self.spans.append((start, time.monotonic()))
+        return RunResult(written=[item.out_wav])
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_requests_are_serialized(served, tmp_path):
+    backend = GatedFakeBackend(0.3)
+    _, infer_args = parse_args(_server_argv(served))
+    service = SynthesisService(backend, infer_args, ResultStore(tmp_path / "results"))
+    app = create_app(service, PageSettings(exp_dir=served["exp"], prompt_dir=served["prompts"],
+                                           upload_dir=tmp_path / "uploads"))  # fmt: skip
+    client = TestClient(app, raise_server_exceptions=False)
+    responses = [None] * 3
+
+    def send(i: int) -> None:
+        responses[i] = _post(client, prompt=served["prompt"], seed=i)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while service.queue.pending < 3:  # all three accepted and queued before any may run
+        assert time.monotonic() < deadline, f"only {service.queue.pending} requests reached the queue"
+        time.sleep(0.02)
+    backend.gate.set()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(r is not None and r.status_code == 200 for r in responses), responses
+    spans = sorted(backend.spans)
+    assert len(spans) == 3
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert start >= end, f"two syntheses overlapped: {spans}"
+    # the two that came behind the first say how long they waited in the queue
+    waited = sorted(r.json()["waited"] for r in responses)
+    assert waited[1] >= 0.25 and waited[2] >= 0.55, waited
+    assert service.queue.pending == 0
+
+
+class BrokenBackend:
+    """Fails each synthesis the way a model can: no audio, out of memory, a bug."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def languages(self, args):
+        return [args.language]
+
+    def synthesize(self, args, item) -> RunResult:
+        if self.error is None:
+            return RunResult(failures=[Failure(item.name, "the AR model emitted EOS as its first token")])
+        raise self.error
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "error, status, message",
+    [
+        (None, 422, "no audio: the AR model emitted EOS as its first token"),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 503, "out of GPU memory"),
+        (RuntimeError("shape mismatch"), 500, "internal error (RuntimeError: shape mismatch)"),
+    ],
+)
+def test_model_failures_are_messages(served, tmp_path, error, status, message):
+    _, infer_args = parse_args(_server_argv(served))
+    service = SynthesisService(BrokenBackend(error), infer_args, ResultStore(tmp_path / "results"))
+    app = create_app(service, PageSettings(exp_dir=served["exp"], upload_dir=tmp_path / "uploads"))
+    response = _post(TestClient(app, raise_server_exceptions=False), prompt=served["prompt"])
+    assert response.status_code == status and message in response.json()["error"]
+    assert not any((tmp_path / "results").iterdir()), "a failed result's directory was left behind"
+    # the queue still serves the next request
+    assert service.queue.pending == 0
+
+
+# ---------------------------------------------------------------- the page in a real browser
+def _browser_or_skip():
+    if not CHROMIUM.exists():
+        pytest.skip(f"no browser: {CHROMIUM} is absent (.ci/run installs Debian's chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright for Python is not importable (the browser extra)")
+    return sync_playwright
+
+
+class LiveServer:
+    """The app under uvicorn in a thread, on a free port of 127.0.0.1."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start in 30 s"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+@pytest.mark.timeout(300)
+def test_page_in_headless_chromium(app, served, tmp_path):
+    sync_playwright = _browser_or_skip()
+    junk = tmp_path / "notes.txt"
+    junk.write_text("these are words, not audio")
+    with LiveServer(app) as live, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, timeout=60_000)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.set_default_timeout(120_000)
+            page.goto(live.url + "/")
+            page.wait_for_function("document.getElementById('checkpoint-status').textContent === 'loaded'")
+            page.set_input_files("#prompt", str(served["prompt"]))
+            page.fill("#prompt-text", PROMPT_TEXT)
+            page.fill("#text", TEXT)
+            page.click("#synthesize")
+            page.wait_for_selector("#result:not([hidden])")
+            # Chromium decoded the wav: its audio element knows the duration
+            page.wait_for_function("document.getElementById('output').duration > 0")
+            wav_url = page.get_attribute("#output", "src")
+            fetched = page.request.get(live.url + wav_url if wav_url.startswith("/") else wav_url)
+            assert fetched.ok
+            assert _check_wav(fetched.body()) > 0
+            page.wait_for_function("document.getElementById('spectrogram').naturalWidth > 0")
+            page.screenshot(path=str(tmp_path / "page.png"), full_page=True)
+            assert page.is_hidden("#error")
+
+            page.set_input_files("#prompt", str(junk))
+            page.click("#synthesize")
+            page.wait_for_selector("#error:not([hidden])")
+            assert "the prompt notes.txt is not an audio file" in page.inner_text("#error")
+            assert "notes.txt" in page.inner_text('.field-error[data-field="prompt"]')
+            page.screenshot(path=str(tmp_path / "page-error.png"), full_page=True)
+
+            # a VALL-E X checkpoint offers its languages, for the text and for the prompt
+            page.select_option("#checkpoint", "x/epoch-2.pt")
+            page.wait_for_function(
+                "document.getElementById('checkpoint-status').textContent.startsWith('multilingual')")
+            assert page.is_visible("#prompt-language")
+            assert page.eval_on_selector_all("#language option", "os => os.map(o => o.value)") == [
+                "en-us", "fr-fr"]  # fmt: skip
+        finally:
+            browser.close()

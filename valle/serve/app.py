@@ -1,0 +1,206 @@
+"""The FastAPI application: a static page (static/) and a small JSON API behind it.
+
+Every error the page can cause comes back as JSON ``{"error": message, "field": name-or-null}``
+with a 4xx status, shown next to the form; a traceback only reaches the server's log.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+
+from valle.infer import InputError
+from valle.serve.catalog import find_checkpoints, find_prompts, resolve_checkpoint, resolve_prompt
+from valle.serve.engine import SynthesisFailed, SynthesisRequest, SynthesisService
+
+logger = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).parent / "static"
+MAX_UPLOAD_BYTES = 20 * 1024 * 1024  # a prompt is a few seconds; this is minutes of 24 kHz audio
+
+
+class FieldError(InputError):
+    """Bad input that belongs to one form field (the page shows it under that field)."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(message)
+        self.field = field_name
+
+
+@dataclass
+class PageSettings:
+    exp_dir: Path | None
+    checkpoints: list[Path] = field(default_factory=list)  # --checkpoint: served beside exp-dir's
+    prompt_dir: Path | None = None
+    upload_dir: Path = Path("uploads")
+    default_checkpoint: Path | None = None
+
+
+def _error(status: int, message: str, field_name: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": message, "field": field_name}, status_code=status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(InputError)
+    async def input_error(_request: Request, exc: InputError):
+        return _error(400, str(exc), getattr(exc, "field", None))
+
+    @app.exception_handler(SynthesisFailed)
+    async def no_audio(_request: Request, exc: SynthesisFailed):
+        return _error(422, f"no audio: {exc}")
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_form(_request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        name = str(first.get("loc", ("", "?"))[-1])
+        return _error(400, f"{name}: {first.get('msg', 'invalid value')}", name)
+
+    @app.exception_handler(torch.OutOfMemoryError)
+    async def out_of_memory(_request: Request, exc: torch.OutOfMemoryError):
+        logger.warning("synthesis ran out of device memory: %s", str(exc).splitlines()[0])
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the next request starts from the cached models alone
+        return _error(503, "out of GPU memory: try a shorter text or prompt, or fewer candidates")
+
+    @app.exception_handler(Exception)
+    async def crash(_request: Request, exc: Exception):
+        logger.exception("synthesis page: unexpected error")
+        return _error(500, f"internal error ({type(exc).__name__}: {exc}); the server log has details")
+
+
+async def _save_upload(upload: UploadFile, upload_dir: Path) -> Path:
+    """The uploaded prompt in a directory of its own (removed again when it is refused)."""
+    path = upload_dir / uuid.uuid4().hex / Path(upload.filename or "prompt.wav").name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        await _write_checked_upload(upload, path)
+    except BaseException:
+        shutil.rmtree(path.parent, ignore_errors=True)
+        raise
+    return path
+
+
+async def _write_checked_upload(upload: UploadFile, path: Path) -> None:
+    """Write the upload to ``path``; refuse it unless it is audio that soundfile can read."""
+    import soundfile as sf
+
+    name, size = path.name, 0
+    with open(path, "wb") as out:
+        while chunk := await upload.read(1 << 20):
+            size += len(chunk)
+            if size > MAX_UPLOAD_BYTES:
+                raise FieldError("prompt", f"the prompt {name} is larger than "
+                                           f"{MAX_UPLOAD_BYTES >> 20} MB: upload a few seconds of speech")  # fmt: skip
+            out.write(chunk)
+    if size == 0:
+        raise FieldError("prompt", f"the prompt {name} is empty")
+    try:
+        info = sf.info(str(path))
+    except Exception as e:  # soundfile's message for "not audio" names its own reasons
+        raise FieldError("prompt", f"the prompt {name} is not an audio file (wav, flac or ogg): "
+                                   f"{str(e).split(': ', 1)[-1]}") from e  # fmt: skip
+    if info.frames == 0:
+        raise FieldError("prompt", f"the prompt {name} holds no samples")
+
+
+def create_app(service: SynthesisService, settings: PageSettings) -> FastAPI:
+    app = FastAPI(title="VALL-E synthesis", docs_url="/api/docs", redoc_url=None)
+    _install_error_handlers(app)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    app.router.add_event_handler("shutdown", service.queue.shutdown)
+
+    def checkpoints():
+        return find_checkpoints(settings.exp_dir, settings.checkpoints)
+
+    @app.get("/", include_in_schema=False)
+    async def index():
+        return FileResponse(STATIC_DIR / "index.html")
+
+    @app.get("/api/options")
+    async def options():
+        entries = checkpoints()
+        default = next((e.id for e in entries if e.path == settings.default_checkpoint),
+                       entries[0].id if entries else None)  # fmt: skip
+        args = service.base_args
+        return {
+            "checkpoints": [{"id": e.id} for e in entries],
+            "default_checkpoint": default,
+            "prompts": [{"name": p.name, "transcript": p.transcript, "url": f"/api/prompts/{p.name}"}
+                        for p in find_prompts(settings.prompt_dir)],  # fmt: skip
+            "defaults": {"language": args.language, "top_k": args.top_k, "top_p": args.top_p,
+                         "temperature": args.temperature, "num_candidates": args.num_candidates,
+                         "seed": args.seed},  # fmt: skip
+            "queue": service.queue.pending,
+        }
+
+    @app.get("/api/languages")
+    async def languages(checkpoint: str):
+        path = resolve_checkpoint(checkpoints(), checkpoint)
+        found = await service.languages(path)
+        return {"checkpoint": checkpoint, "languages": found}
+
+    @app.get("/api/prompts/{name}")
+    async def prompt_audio(name: str):
+        return FileResponse(resolve_prompt(find_prompts(settings.prompt_dir), name).path)
+
+    @app.post("/api/synthesize")
+    async def synthesize(
+        checkpoint: str = Form(""),
+        text: str = Form(""),
+        prompt_text: str = Form(""),
+        prompt: UploadFile | None = File(None),
+        prompt_name: str = Form(""),
+        language: str | None = Form(None),
+        prompt_language: str | None = Form(None),
+        top_k: int | None = Form(None),
+        top_p: float | None = Form(None),
+        temperature: float | None = Form(None),
+        num_candidates: int | None = Form(None),
+        seed: int | None = Form(None),
+    ):
+        try:
+            path = resolve_checkpoint(checkpoints(), checkpoint)
+        except InputError as e:
+            raise FieldError("checkpoint", str(e)) from e
+        if not text.strip():
+            raise FieldError("text", "type the text to synthesise")
+        uploaded = prompt is not None and bool(prompt.filename)
+        if not uploaded and not prompt_name:
+            raise FieldError("prompt", "no prompt: upload a prompt wav or choose an example prompt")
+        if not prompt_text.strip():
+            raise FieldError("prompt_text", "type the transcript of the prompt audio")
+        if uploaded:
+            prompt_wav = await _save_upload(prompt, settings.upload_dir)
+        else:
+            prompt_wav = resolve_prompt(find_prompts(settings.prompt_dir), prompt_name).path
+        request = SynthesisRequest(path, prompt_wav, prompt_text, text, language or None,
+                                   prompt_language or None, top_k, top_p, temperature,
+                                   num_candidates, seed)  # fmt: skip
+        try:
+            result = await service.synthesize(request)
+        finally:
+            if uploaded:
+                shutil.rmtree(prompt_wav.parent, ignore_errors=True)
+        return {"id": result.id, "wav_url": f"/api/results/{result.id}/synthesis.wav",
+                "spectrogram_url": f"/api/results/{result.id}/spectrogram.png",
+                "duration": round(result.seconds, 3), "elapsed": round(result.elapsed, 3),
+                "waited": round(result.waited, 3), "checkpoint": checkpoint}  # fmt: skip
+
+    @app.get("/api/results/{result_id}/{name}")
+    async def result_file(result_id: str, name: str):
+        result = service.results.get(result_id)
+        files = {"synthesis.wav": result.wav, "spectrogram.png": result.spectrogram} if result else {}
+        if name not in files:
+            return _error(404, f"no result {result_id}/{name} (results are kept for the last requests only)")
+        return FileResponse(files[name])
+
+    return app
