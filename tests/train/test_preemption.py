@@ -246,3 +246,60 @@ def test_grace_shorter_than_the_step_in_flight_exits_18_and_writes_nothing(tmp_p
     assert again.returncode == 0, output(again)
     assert re.search(r"resuming from \S*checkpoint-4\.pt", again.stdout + again.stderr)
     assert_same_final_state(reference, exp)
+
+
+# -- egs/slurm/train.sbatch: the batch script's trap, forwarding and requeue ---------------
+
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun stand-in: drop srun's own options, run the task here (one node).
+while [ "${1#--}" != "$1" ]; do shift; done
+exec "$@"
+"""
+FAKE_SCONTROL = """#!/usr/bin/env bash
+# scontrol stand-in: the head node's address, and a log of requeue requests.
+case "$1" in
+  show) echo 127.0.0.1 ;;
+  requeue) echo "requeue $2" >> "$SCONTROL_LOG" ;;
+esac
+"""
+
+
+@pytest.mark.timeout(300)
+def test_sbatch_script_forwards_the_notice_checkpoints_and_requeues(tmp_path, reference):
+    from tests.support.harness import free_port
+
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (fake_bin / name).write_text(text)
+        (fake_bin / name).chmod(0o755)
+    exp, log, requeues = tmp_path / "slurm", tmp_path / "job1.log", tmp_path / "requeues"
+    env = {**clean_launch_env(), "PATH": f"{fake_bin}:{os.environ['PATH']}",
+           "SCONTROL_LOG": str(requeues), "PYTHON": sys.executable, "VALLE_ROOT": str(REPO),
+           "GPUS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NODELIST": "node001", "RDZV_PORT": str(free_port())}
+    # The trainer's flags, as a user passes them to sbatch (the launcher is the script's).
+    trainer_flags = command(exp, "--inject-fault", "stall@4:1")[command(exp).index(
+        str(REPO / "bin" / "trainer.py")) + 1:]
+    script = ["bash", str(REPO / "egs" / "slurm" / "train.sbatch"), *trainer_flags]
+    with open(log, "w") as handle:
+        job = subprocess.Popen(script, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
+        try:
+            wait_for_log(log, r"\(1/2\) injected stall")
+            job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@90 does
+            assert job.wait(60) == 0, log.read_text()[-6000:]
+        finally:
+            if job.poll() is None:
+                job.kill()
+    text = log.read_text()
+    assert "valle: preemption notice" in text
+    for rank in (0, 1):
+        assert f"({rank}/2) preempted: stopped after step 5" in text, text[-6000:]
+    assert requeues.read_text() == "requeue 4242\n"
+
+    again = subprocess.run(script, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, output(again)
+    assert re.search(r"resuming from \S*checkpoint-5\.pt", again.stdout + again.stderr)
+    assert requeues.read_text() == "requeue 4242\n"  # a finished job is not requeued
+    assert_no_step_redone(reference, exp, 4, text)
+    assert_same_final_state(reference, exp)
