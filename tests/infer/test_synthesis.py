@@ -280,3 +280,14 @@ def test_cross_lingual_synthesis(setup, tmp_path):
         Synthesizer(model, table, FakeCodec(), "cpu", language="cmn")
     with pytest.raises(InputError, match="--language fr-fr: not one of"):
         Synthesizer(model, table, FakeCodec(), "cpu", language="fr-fr", languages="en-us,cmn")
+
+
+def test_experimental_decoding_flags_are_grouped_and_removed_ones_refused(tmp_path):
+    parser = build_parser()
+    group = next(g for g in parser._action_groups if g.title == "decoding (experimental)")
+    [stop_rule] = group._group_actions
+    assert stop_rule.dest == "stop_rule" and "experimental" in stop_rule.help
+    assert _args(tmp_path, **{"--stop-rule": "sampled"}).stop_rule == "sampled"
+    for removed in ("--repetition-aware", "--ras-window"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--checkpoint", "x", removed])
