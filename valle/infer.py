@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "as lifeiteng); guards an undertrained model against empty rows")  # fmt: skip
     g.add_argument("--num-candidates", type=int, default=1,
                    help="best of N AR samples per text by the model's mean log-likelihood per frame")  # fmt: skip
+    g.add_argument("--static-cache", action="store_true",
+                   help="AR decoding with a KV cache preallocated to the longest row and a "
+                        "per-token step of fixed shapes (same tokens)")  # fmt: skip
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="--static-cache with its step captured in a CUDA graph per batch and "
+                        "replayed (CUDA only; same tokens, fewer kernel launches)")  # fmt: skip
     g.add_argument("--nar-decoding", default="argmax", choices=["argmax", "mmse"],
                    help="codebooks 1-7: the most likely code (VALL-E), or the code nearest the "
                         "expected codec vector under the NAR's distribution (an unsure NAR then "
@@ -518,7 +524,8 @@ def decode_options(args: argparse.Namespace) -> dict[str, Any]:
                          f"got {args.min_len_ratio}")
     return dict(top_k=args.top_k, top_p=args.top_p, temperature=args.temperature,
                 max_len_ratio=args.max_len_ratio, min_len_ratio=args.min_len_ratio, seed=args.seed,
-                stop_rule=args.stop_rule.replace("-", "_"), num_candidates=args.num_candidates)  # fmt: skip
+                stop_rule=args.stop_rule.replace("-", "_"), num_candidates=args.num_candidates,
+                static_cache=args.static_cache, cuda_graphs=args.cuda_graphs)  # fmt: skip
 
 
 def _units(items: list[Item], split: bool) -> list[tuple[int, Item]]:
@@ -572,6 +579,8 @@ def run(args: argparse.Namespace) -> RunResult:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     items = read_items(args)
     decode_options(args)  # validate before loading anything
+    if args.cuda_graphs and device.type != "cuda":
+        raise InputError(f"--cuda-graphs needs a CUDA device, got --device {device}")
     vocos_weights = resolve_vocos(args)
     torch.manual_seed(args.seed)
     model, config = load_model(args.checkpoint, device, args.use_averaged_model, DTYPES[args.dtype])

@@ -16,6 +16,7 @@ from valle.infer import (
     Item,
     Synthesizer,
     build_parser,
+    decode_options,
     load_model,
     main,
     read_items,
@@ -291,3 +292,21 @@ def test_experimental_decoding_flags_are_grouped_and_removed_ones_refused(tmp_pa
     for removed in ("--repetition-aware", "--ras-window"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--checkpoint", "x", removed])
+
+
+def test_static_cache_flag_gives_the_same_audio_and_cuda_graphs_refuse_cpu(setup, tmp_path, capsys):
+    _, table, prompt = setup
+    model = tiny_model("valle", 1, share_embedding=False).eval()
+    synth = Synthesizer(model, table, FakeCodec(), "cpu")
+    items = [Item("the dog", str(prompt), t, tmp_path / f"{i}.wav", f"item {i}")
+             for i, t in enumerate(TEXTS)]  # fmt: skip
+    args = _args(tmp_path, **{"--max-len-ratio": 2})
+    static = _args(tmp_path, **{"--max-len-ratio": 2, "--static-cache": True})
+    options = decode_options(static)
+    assert options["static_cache"] and not options["cuda_graphs"]
+    plain = synth.synthesize(items, **decode_options(args))
+    assert [w.shape for w in synth.synthesize(items, **options)] == [w.shape for w in plain]
+    rc = main(["--checkpoint", str(tmp_path / "none.pt"), "--text-prompts", "the dog",
+               "--audio-prompts", str(prompt), "--text", "a fox", "--output-dir", str(tmp_path),
+               "--device", "cpu", "--cuda-graphs"])  # fmt: skip
+    assert rc == 2 and "--cuda-graphs needs a CUDA device" in capsys.readouterr().err

@@ -48,6 +48,9 @@ class DecodeOptions:
     * ``max_len_ratio``: at most this many frames per text token (prompt text included).
     * ``min_len_ratio`` > 0: no EOS before this many frames per token of the text to say.
     * ``use_kv_cache``: decode with the per-layer key/value cache (same tokens, faster).
+    * ``static_cache``: that cache preallocated to the longest row and a per-token step of
+      fixed shapes (``StaticStep``); ``cuda_graphs``: that step captured once per batch in a
+      CUDA graph and replayed (CUDA only). Same tokens as the growing cache.
     * ``force_len``: ignore EOS and decode exactly this many frames (benchmarks).
     * ``stop_rule``: ``argmax_or_sampled`` (lifeiteng) stops a row when EOS is the most
       likely token or is sampled; ``sampled`` (experimental) only when it is sampled.
@@ -67,8 +70,13 @@ class DecodeOptions:
     stop_rule: str = "argmax_or_sampled"
     num_candidates: int = 1
     on_empty: str = "raise"
+    static_cache: bool = False
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
+        if (self.static_cache or self.cuda_graphs) and not self.use_kv_cache:
+            raise ValueError("static_cache and cuda_graphs decode with the KV cache: "
+                             "use_kv_cache must stay on")  # fmt: skip
         if self.stop_rule not in STOP_RULES:
             raise ValueError(f"stop_rule must be one of {STOP_RULES}, got {self.stop_rule!r}")
         if self.on_empty not in ON_EMPTY:
@@ -273,12 +281,9 @@ def ar_generate(
         generator = torch.Generator(device=device).manual_seed(int(options.seed))
 
     x = model.ar_embed_text(text, text_valid, langs)
-    caches = None
-    if options.use_kv_cache:
-        own = tokens.shape[1] + max_new + (0 if model.cross_attention else text.shape[1])
-        caches = model.ar_decoder.new_caches(own)
-    h = model.ar_core(x, text_valid, model.ar_embed_audio(tokens, positions), audio_valid, caches)
-    logits = model.ar_logits(h[:, -1])
+    logits, step = _start_decoding(
+        model, x, text_valid, tokens, positions, audio_valid, n_in, max_new, options
+    )
 
     out: list[torch.Tensor] = []
     done = torch.zeros(bsz, dtype=torch.bool, device=device)
@@ -321,21 +326,125 @@ def ar_generate(
         if bool(done.all()) or i + 1 == max_new:
             break  # no further token will be sampled: skip the last model call
         step_tokens = tok.view(bsz, 1, g) if g > 1 else tok  # one column: (B, 1[, G])
-        new_pos = (n_in + i)[:, None]
-        audio_valid = torch.cat([audio_valid, torch.ones_like(audio_valid[:, :1])], dim=1)
-        if caches is not None:
-            y_new = model.ar_embed_audio(step_tokens, new_pos)
-            h = model.ar_core_step(y_new, text_valid, audio_valid, caches)
-        else:
-            tokens = torch.cat([tokens, step_tokens], dim=1)
-            positions = torch.cat([positions, new_pos], dim=1)
-            y = model.ar_embed_audio(tokens, positions)
-            h = model.ar_core(x, text_valid, y, audio_valid)
-        logits = model.ar_logits(h[:, -1])
+        logits = step(step_tokens)
     lens = torch.where(done, lens, torch.full_like(lens, len(out) * g))
     gen = torch.cat(out, dim=1)[:, : int(lens.max())]
     scores = score / counted.clamp(min=1) if want_scores else None
     return ARResult(gen, lens, scores, ended_on_eos)
+
+
+def _start_decoding(model, x, text_valid, tokens, positions, audio_valid, n_in, max_new, options):
+    """Runs the AR over the text and prompt: (logits of the first frame after the prompt,
+    the step that takes each next column's tokens and gives the logits after them)."""
+    device = tokens.device
+    # Self-attention columns before the first generated one: the text (decoder-only) + prompt.
+    prefill = tokens.shape[1] + (0 if model.cross_attention else text_valid.shape[1])
+    static = options.static_cache or options.cuda_graphs
+    if options.cuda_graphs and device.type != "cuda":
+        raise ValueError(f"--cuda-graphs needs a CUDA device, the model is on {device}")
+    cursor = torch.zeros(1, dtype=torch.long, device=device) if static else None
+    caches = None
+    if options.use_kv_cache:
+        caches = model.ar_decoder.new_caches(prefill + max_new, cursor)
+    h = model.ar_core(x, text_valid, model.ar_embed_audio(tokens, positions), audio_valid, caches)
+    logits = model.ar_logits(h[:, -1])
+    if not static:
+        return logits, GrowingStep(model, x, text_valid, tokens, positions, audio_valid, n_in, caches)
+    cursor.fill_(prefill)
+    step = StaticStep(model, text_valid, audio_valid, n_in, max_new, caches, cursor)
+    return logits, GraphedStep(step) if options.cuda_graphs else step
+
+
+class GrowingStep:
+    """One AR decoding step on sequences that grow by a column per step: with the growing
+    KV cache (``caches``), or without a cache the whole sequence recomputed."""
+
+    def __init__(self, model, x, text_valid, tokens, positions, audio_valid, n_in, caches):
+        self.model, self.x, self.text_valid, self.caches = model, x, text_valid, caches
+        self.tokens, self.positions, self.audio_valid = tokens, positions, audio_valid
+        self.n_in, self.steps = n_in, 0
+
+    def __call__(self, step_tokens: torch.Tensor) -> torch.Tensor:
+        model = self.model
+        new_pos = (self.n_in + self.steps)[:, None]
+        self.steps += 1
+        valid = self.audio_valid
+        self.audio_valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
+        if self.caches is not None:
+            y_new = model.ar_embed_audio(step_tokens, new_pos)
+            h = model.ar_core_step(y_new, self.text_valid, self.audio_valid, self.caches)
+        else:
+            self.tokens = torch.cat([self.tokens, step_tokens], dim=1)
+            self.positions = torch.cat([self.positions, new_pos], dim=1)
+            y = model.ar_embed_audio(self.tokens, self.positions)
+            h = model.ar_core(self.x, self.text_valid, y, self.audio_valid)
+        return model.ar_logits(h[:, -1])
+
+
+class StaticStep:
+    """One AR decoding step whose shapes never change: the next column's tokens go in, the
+    logits of the frame after them come out.
+
+    Every other input lives in buffers it updates in place with tensor ops: the valid audio
+    columns (the prompt's, then one more per step, to the cache's width), each row's next
+    position and the cache's write column. A step thus has no Python-side state and no
+    host synchronisation: ``GraphedStep`` can capture it once and replay it.
+    """
+
+    def __init__(self, model, text_valid, audio_valid, n_in, max_new, caches, cursor):
+        self.model, self.text_valid, self.caches, self.cursor = model, text_valid, caches, cursor
+        bsz, width = audio_valid.shape
+        self.audio_valid = torch.cat([audio_valid, audio_valid.new_zeros(bsz, max_new)], dim=1)
+        self.column = torch.full((1,), width, dtype=torch.long, device=audio_valid.device)
+        self.positions = n_in[:, None].clone()
+        g = model.ar_group_size
+        shape = (bsz, 1, g) if g > 1 else (bsz, 1)
+        self.tokens = torch.full(shape, NUM_AUDIO_TOKENS, dtype=torch.long, device=n_in.device)
+
+    def state(self) -> list[torch.Tensor]:
+        """The buffers a step changes (besides the cache column it writes)."""
+        return [self.audio_valid, self.column, self.positions, self.cursor, self.tokens]
+
+    def run(self) -> torch.Tensor:
+        """The step on the buffers: logits (B, [G,] 1025) of the next frame."""
+        self.audio_valid.index_fill_(1, self.column, True)
+        y = self.model.ar_embed_audio(self.tokens, self.positions)
+        h = self.model.ar_core_step(y, self.text_valid, self.audio_valid, self.caches)
+        logits = self.model.ar_logits(h[:, -1])
+        for counter in (self.column, self.positions, self.cursor):
+            counter.add_(1)
+        return logits
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        return self.run()
+
+
+class GraphedStep:
+    """A ``StaticStep`` captured in a CUDA graph (``torch.cuda.CUDAGraph``) and replayed
+    per token: one launch instead of one per kernel, which dominates small-batch decoding.
+    Captured per batch (its buffers are that batch's)."""
+
+    def __init__(self, step: StaticStep):
+        self.step = step
+        saved = [t.clone() for t in step.state()]
+        # Warm up on a side stream (kernels picked and workspaces allocated before capture).
+        # It writes the cache at the cursor's column, which the first real step rewrites.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step.run()
+        torch.cuda.current_stream().wait_stream(stream)
+        for buffer, value in zip(step.state(), saved):
+            buffer.copy_(value)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # recorded, not run: the state stays as restored
+            self.logits = step.run()
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.step.tokens.copy_(tokens)
+        self.graph.replay()
+        return self.logits
 
 
 # ----------------------------------------------------------------------- NAR
