@@ -29,6 +29,7 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count  # noqa: E402
 
 from valle.models import NUM_AUDIO_TOKENS, get_model  # noqa: E402
+from valle.models.generation import DecodeOptions, ar_generate, nar_generate  # noqa: E402
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
               "aten::_scaled_dot_product_flash_attention_for_cpu",
@@ -135,14 +136,9 @@ def bench_decode(
         0, NUM_AUDIO_TOKENS, (1, prompt_frames, model.num_quantizers), generator=g
     ).to(device)
     prompt_lens = torch.tensor([prompt_frames], device=device)
-    common = dict(
-        top_k=-100, top_p=1.0, temperature=1.0, max_len_ratio=16.0, seed=0, force_len=frames
-    )
-
     def ar(cache: bool):
-        return lambda: model._ar_generate(
-            text, text_lens, prompt[..., 0], prompt_lens, use_kv_cache=cache, **common
-        )
+        options = DecodeOptions(seed=0, force_len=frames, use_kv_cache=cache)
+        return lambda: ar_generate(model, text, text_lens, prompt[..., 0], prompt_lens, options)
 
     with torch.no_grad():
         cached = _time(ar(True), device, repeats, warmup=1)
@@ -157,7 +153,7 @@ def bench_decode(
         torch.set_num_threads(threads)
         gen, lens, _scores, _ended = ar(True)()
         nar = _time(
-            lambda: model._nar_generate(text, text_lens, prompt, prompt_lens, gen, lens),
+            lambda: nar_generate(model, text, text_lens, prompt, prompt_lens, gen, lens),
             device,
             repeats,
             1,

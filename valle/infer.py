@@ -90,19 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-len-ratio", type=float, default=0.0,
                    help="no EOS before this many frames per token of the text to say (0: no floor, "
                         "as lifeiteng); guards an undertrained model against empty rows")  # fmt: skip
-    g.add_argument("--stop-rule", default="argmax-or-sampled",
-                   choices=["argmax-or-sampled", "sampled"],
-                   help="stop a row when EOS is the most likely token or is sampled (lifeiteng), "
-                        "or only when it is sampled")  # fmt: skip
     g.add_argument("--num-candidates", type=int, default=1,
                    help="best of N AR samples per text by the model's mean log-likelihood per frame")  # fmt: skip
-    g.add_argument("--repetition-aware", action="store_true",
-                   help="VALL-E 2 repetition-aware sampling")  # fmt: skip
-    g.add_argument("--ras-window", type=int, default=10,
-                   help="repetition-aware sampling: window of recent tokens")  # fmt: skip
-    g.add_argument("--ras-threshold", type=float, default=0.1,
-                   help="repetition-aware sampling: redraw when the token fills more than this "
-                        "share of the window")  # fmt: skip
+    g.add_argument("--static-cache", action="store_true",
+                   help="AR decoding with a KV cache preallocated to the longest row and a "
+                        "per-token step of fixed shapes (same tokens)")  # fmt: skip
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="--static-cache with its step captured in a CUDA graph per batch and "
+                        "replayed (CUDA only; same tokens, fewer kernel launches)")  # fmt: skip
     g.add_argument("--nar-decoding", default="argmax", choices=["argmax", "mmse"],
                    help="codebooks 1-7: the most likely code (VALL-E), or the code nearest the "
                         "expected codec vector under the NAR's distribution (an unsure NAR then "
@@ -113,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of silence between joined sentences")  # fmt: skip
     g.add_argument("--batch-size", type=int, default=1,
                    help="texts decoded together (faster; sampled rows then depend on their batch)")  # fmt: skip
+    x = p.add_argument_group(
+        "decoding (experimental)", "kept for experiments, off by default (docs/inference.md)"
+    )
+    x.add_argument("--stop-rule", default="argmax-or-sampled",
+                   choices=["argmax-or-sampled", "sampled"],
+                   help="stop a row when EOS is the most likely token or is sampled (lifeiteng), "
+                        "or only when it is sampled (experimental: rows then run longer, 81 vs 52 "
+                        "frames on the demo checkpoint in issue #11)")  # fmt: skip
     p.add_argument("--continual", type=str2bool, nargs="?", const=True, default=False,
                    help="resynthesise the prompt audio: codebook 0 from it, the NAR predicts "
                         "the rest; --text-prompts is its whole transcript and --text is not used")  # fmt: skip
@@ -519,13 +522,10 @@ def decode_options(args: argparse.Namespace) -> dict[str, Any]:
     if not 0 <= args.min_len_ratio < args.max_len_ratio:
         raise InputError(f"--min-len-ratio must be in [0, --max-len-ratio {args.max_len_ratio}), "
                          f"got {args.min_len_ratio}")
-    if args.ras_window < 1 or not 0 <= args.ras_threshold <= 1:
-        raise InputError("--ras-window must be >= 1 and --ras-threshold in [0, 1]")
     return dict(top_k=args.top_k, top_p=args.top_p, temperature=args.temperature,
                 max_len_ratio=args.max_len_ratio, min_len_ratio=args.min_len_ratio, seed=args.seed,
                 stop_rule=args.stop_rule.replace("-", "_"), num_candidates=args.num_candidates,
-                repetition_aware=args.repetition_aware, ras_window=args.ras_window,
-                ras_threshold=args.ras_threshold)  # fmt: skip
+                static_cache=args.static_cache, cuda_graphs=args.cuda_graphs)  # fmt: skip
 
 
 def _units(items: list[Item], split: bool) -> list[tuple[int, Item]]:
@@ -601,6 +601,8 @@ def run(args: argparse.Namespace) -> RunResult:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     items = read_items(args)
     decode_options(args)  # validate before loading anything
+    if args.cuda_graphs and device.type != "cuda":
+        raise InputError(f"--cuda-graphs needs a CUDA device, got --device {device}")
     vocos_weights = resolve_vocos(args)
     torch.manual_seed(args.seed)
     model, config = load_model(args.checkpoint, device, args.use_averaged_model, DTYPES[args.dtype])

@@ -51,49 +51,9 @@ def test_batch_contract_and_prompts(tiny_data):
     assert torch.equal(first["prompt_features"], again["prompt_features"])  # deterministic choice
 
 
-def test_paired_prompts_put_a_whole_same_speaker_utterance_in_front(tiny_data):
-    """--paired-prompts: text = BOS + prompt transcript + _ + text + EOS, prompt codes = that
-    whole utterance of the same speaker (<= --max-prompt-duration), never the cut itself."""
-    from valle.data.collation import cut_text_symbols, get_text_token_collater
-
-    dm = make_dm(tiny_data, "--max-prompt-duration", "10", prefix_mode=1, paired_prompts=True)
-    cuts = {c.id: c for c in CutSet.from_file(tiny_data / "tiny_cuts_train.jsonl.gz")}
-    collate = get_text_token_collater(dm.text_tokens_path())
-    loader = dm.train_dataloader(0, 1)
-    index = loader.dataset.prompt_index
-    rows = 0
-    for batch in loader:
-        for i, cid in enumerate(batch["cut_ids"]):
-            source = index.choose(cuts[cid])
-            assert source is not None and source.cut_id != cid
-            prompt = cuts[source.cut_id]
-            assert prompt.supervisions[0].speaker == cuts[cid].supervisions[0].speaker
-            codes = torch.as_tensor(prompt.load_features(), dtype=torch.long)
-            n = int(batch["prompt_features_lens"][i])
-            assert n == codes.shape[0] and torch.equal(batch["prompt_features"][i, :n], codes)
-            want, want_len = collate([cut_text_symbols(prompt) + ["_"] + cut_text_symbols(cuts[cid])])
-            assert int(batch["text_tokens_lens"][i]) == int(want_len[0])
-            assert torch.equal(batch["text_tokens"][i, : int(want_len[0])], want[0])
-            assert int(batch["audio_features_lens"][i]) == round(cuts[cid].duration * 75)
-            rows += 1
-    assert rows == len(cuts) and index.unpaired == 0
-
-
-def test_paired_prompts_without_a_short_enough_neighbour_is_counted_and_unprompted(tiny_data):
-    dm = make_dm(tiny_data, "--max-prompt-duration", "0.1", prefix_mode=1, paired_prompts=True)
-    loader = dm.train_dataloader(0, 1)
-    batch = next(iter(loader))
-    assert (batch["prompt_features_lens"] == 0).all()
-    assert loader.dataset.prompt_index.unpaired == len(batch["cut_ids"])
-    plain = make_dm(tiny_data, "--max-prompt-duration", "0.1", prefix_mode=1)
-    first = next(iter(plain.train_dataloader(0, 1)))
-    assert first["cut_ids"] == batch["cut_ids"]
-    assert torch.equal(first["text_tokens"], batch["text_tokens"])  # the cut's own text only
-
-
-def test_paired_prompts_refuse_shar(tiny_data, tmp_path):
-    dm = make_dm(tiny_data, "--shar-dir", str(tmp_path), prefix_mode=1, paired_prompts=True)
-    with pytest.raises(ValueError, match="--paired-prompts needs a cut manifest"):
+def test_prefix_mode_4_refuses_shar(tiny_data, tmp_path):
+    dm = make_dm(tiny_data, "--shar-dir", str(tmp_path), prefix_mode=4)
+    with pytest.raises(ValueError, match="--prefix-mode 4 needs a cut manifest"):
         dm.train_dataloader(0, 1)
 
 

@@ -10,15 +10,16 @@ from models_testlib import make_batch, run, tiny_model
 
 from valle.models import NUM_AUDIO_TOKENS, get_model
 from valle.models.convert import ours_hparams
+from valle.models.generation import DecodeOptions, ar_generate
+from valle.models.layout import ar_group_layout, ar_prompt_layout
 
 EOS, BOS, IGNORE = NUM_AUDIO_TOKENS, NUM_AUDIO_TOKENS + 1, -100
 K = 16
 
 
 def test_training_groups_frames_then_eos_and_predicts_the_next_group():
-    model = tiny_model(ar_group_size=2, ar_codebook_size=K)
     codes = torch.arange(10, 19)[None].repeat(2, 1)  # 9 frames; row 1 has 6
-    inputs, targets, n_in = model._ar_group_layout(codes, torch.tensor([9, 6]))
+    inputs, targets, n_in = ar_group_layout(codes, torch.tensor([9, 6]), 2, prepend_bos=False)
     assert inputs.tolist() == [
         [[10, 11], [12, 13], [14, 15], [16, 17]],
         [[10, 11], [12, 13], [14, 15], [EOS, EOS]],
@@ -30,32 +31,29 @@ def test_training_groups_frames_then_eos_and_predicts_the_next_group():
     ]
     assert n_in.tolist() == [4, 3]
 
-    bos_model = tiny_model(ar_group_size=2, ar_codebook_size=K, prepend_bos=True)
-    inputs, targets, n_in = bos_model._ar_group_layout(codes, torch.tensor([9, 6]))
+    inputs, targets, n_in = ar_group_layout(codes, torch.tensor([9, 6]), 2, prepend_bos=True)
     assert inputs[:, 0].tolist() == [[BOS, BOS], [BOS, BOS]]  # every group is predicted
     assert targets[0, 0].tolist() == [10, 11] and targets[1, 3].tolist() == [EOS, IGNORE]
     assert n_in.tolist() == [5, 4]
 
 
 def test_a_prompt_keeps_its_last_whole_groups_right_aligned():
-    model = tiny_model(ar_group_size=3, ar_codebook_size=K)
     prompt = torch.arange(20, 28)[None].repeat(2, 1)
-    tokens, positions, valid, n_groups = model._ar_prompt_layout(prompt, torch.tensor([8, 6]))
+    tokens, positions, valid, n_groups = ar_prompt_layout(prompt, torch.tensor([8, 6]), 3, False)
     # row 0: 8 frames = 2 whole groups after its first 2 frames; row 1: frames 0-5
     assert tokens[0].tolist() == [[22, 23, 24], [25, 26, 27]]
     assert tokens[1].tolist() == [[20, 21, 22], [23, 24, 25]]
     assert positions.tolist() == [[0, 1], [0, 1]] and valid.all() and n_groups.tolist() == [2, 2]
 
-    tokens, positions, valid, n_groups = model._ar_prompt_layout(prompt, torch.tensor([8, 3]))
+    tokens, positions, valid, n_groups = ar_prompt_layout(prompt, torch.tensor([8, 3]), 3, False)
     assert tokens[1, 1].tolist() == [20, 21, 22] and valid.tolist() == [[True, True], [False, True]]
     assert positions[1, 1] == 0 and n_groups.tolist() == [2, 1]
 
-    bos_model = tiny_model(ar_group_size=3, ar_codebook_size=K, prepend_bos=True)
-    tokens, positions, valid, _ = bos_model._ar_prompt_layout(prompt, torch.tensor([8, 3]))
+    tokens, positions, valid, _ = ar_prompt_layout(prompt, torch.tensor([8, 3]), 3, True)
     assert tokens[1].tolist() == [[EOS, EOS, EOS], [BOS, BOS, BOS], [20, 21, 22]]
     assert positions[1].tolist() == [0, 0, 1] and valid[1].tolist() == [False, True, True]
     with pytest.raises(ValueError, match="at least 3 prompt frame"):
-        model._ar_prompt_layout(prompt, torch.tensor([8, 2]))
+        ar_prompt_layout(prompt, torch.tensor([8, 2]), 3, False)
 
 
 def _overfit(group: int, bos: bool, frames: torch.Tensor, text: torch.Tensor):
@@ -118,17 +116,18 @@ def test_eos_caps_and_floors_act_on_frames_not_groups(group):
     frames moves it to 9; a cap of 5 frames cuts it at 5."""
     model = tiny_model(ar_group_size=group, ar_codebook_size=K).eval()
     step = {"frame": 0}
-    model._ar_logits = _scripted_logits(group, step)
+    model.ar_logits = _scripted_logits(group, step)
     batch = make_batch()
     text, text_lens = batch["text_tokens"][:1], torch.tensor([6])
     prompt = batch["audio_features"][:1, :6, 0] % K
 
-    def decode(**kw):
+    def decode(max_len_ratio, min_lens=None):
         step["frame"] = 0
-        return model._ar_generate(
-            text, text_lens, prompt, torch.tensor([6]), top_k=1, top_p=1.0, temperature=1.0,
-            use_kv_cache=True, seed=0, want_scores=True, force_len=None, **kw,
-        )  # fmt: skip
+        options = DecodeOptions(top_k=1, seed=0, max_len_ratio=max_len_ratio)
+        return ar_generate(
+            model, text, text_lens, prompt, torch.tensor([6]), options, want_scores=True,
+            min_lens=min_lens,
+        )
 
     gen, lens, scores, ended = decode(max_len_ratio=4)
     assert lens.tolist() == [7] and ended.tolist() == [True]
@@ -149,13 +148,13 @@ def _ar_columns_and_frames(group: int, batch: dict) -> tuple[int, int]:
     """(audio columns the AR decoder saw, frames its loss counted) for one training batch."""
     model = tiny_model(ar_group_size=group).train()
     seen = {}
-    original = model._ar_core
+    original = model.ar_core
 
     def spy(x, text_valid, y, audio_valid, **kw):
         seen["audio_columns"] = y.shape[1]
         return original(x, text_valid, y, audio_valid, **kw)
 
-    model._ar_core = spy
+    model.ar_core = spy
     _, metrics = run(model, batch, train_stage=1)
     return seen["audio_columns"], int(metrics["ar_frames"])
 
@@ -178,5 +177,3 @@ def test_checkpoints_keep_it_and_older_ones_mean_1():
     assert get_model(ours_hparams(old, {})).ar_group_size == 1
     with pytest.raises(ValueError, match="--ar-group-size"):
         tiny_model(ar_group_size=0)
-    with pytest.raises(ValueError, match="--paired-prompts needs --ar-group-size 1"):
-        tiny_model(ar_group_size=2, paired_prompts=True)

@@ -1,5 +1,5 @@
-"""Decoding options: stop rule, per-row empty rows, best-of-N, repetition-aware sampling,
-NAR text for prefix modes 2/4, positions, head tying, reduced precision."""
+"""Decoding options: stop rule, per-row empty rows, best-of-N, NAR text for prefix modes 2/4,
+positions, head tying, reduced precision."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import pytest
 import torch
 from models_testlib import Q, make_batch, tiny_model
 
-from valle.models import NUM_AUDIO_TOKENS
+from valle.models import NUM_AUDIO_TOKENS, PrefixMode, generation
 from valle.models.embedding import SinePositionalEncoding
+from valle.models.generation import ARResult, DecodeOptions, ar_generate
+from valle.models.layout import nar_text
 
 
 def _prompt(b, lens=(6, 3, 2, 5)):
@@ -61,7 +63,7 @@ def test_min_len_ratio_holds_eos_back_per_row(num_candidates):
 def test_one_empty_row_does_not_fail_the_batch():
     model, b = tiny_model("valle", 1).eval(), make_batch()
     prompt, plens = _prompt(b)
-    original = model._ar_logits
+    original = model.ar_logits
     step = {"n": 0}
 
     def eos_first_for_row_2(h):
@@ -71,7 +73,7 @@ def test_one_empty_row_does_not_fail_the_batch():
         step["n"] += 1
         return logits
 
-    model._ar_logits = eos_first_for_row_2
+    model.ar_logits = eos_first_for_row_2
     args = (b["text_tokens"], b["text_tokens_lens"], prompt, plens)
     codes, lens = model.inference(
         *args, top_k=1, max_len_ratio=2, on_empty="mark", return_lens=True
@@ -93,10 +95,10 @@ def test_best_of_n_keeps_the_most_likely_candidate():
     n, common = 4, dict(top_k=50, temperature=1.5, max_len_ratio=2.0, seed=3)
     codes, lens = model.inference(text, tlens, p0, pl, num_candidates=n, return_lens=True, **common)
     rep = lambda t: t.repeat_interleave(n, dim=0)  # noqa: E731
-    gen, glens, scores, _ = model._ar_generate(
-        rep(text), rep(tlens), rep(p0[..., 0]), rep(pl), use_kv_cache=True, force_len=None,
-        want_scores=True, top_p=1.0, **common,
-    )  # fmt: skip
+    gen, glens, scores, _ = ar_generate(
+        model, rep(text), rep(tlens), rep(p0[..., 0]), rep(pl), DecodeOptions(**common),
+        want_scores=True,
+    )
     assert len({tuple(g[:k].tolist()) for g, k in zip(gen, glens)}) > 1  # candidates differ
     best = int(scores.argmax())
     assert int(lens[0]) == int(glens[best])
@@ -105,10 +107,10 @@ def test_best_of_n_keeps_the_most_likely_candidate():
     k = int(glens[best])
     tokens = torch.cat([p0[0, :, 0], gen[best, :k]])[None]
     valid = torch.ones_like(tokens, dtype=torch.bool)
-    x = model._ar_embed_text(text, torch.ones_like(text, dtype=torch.bool))
-    h = model._ar_core(x, torch.ones_like(text, dtype=torch.bool),
-                       model._ar_embed_audio(tokens, torch.arange(tokens.shape[1])), valid)  # fmt: skip
-    logp = torch.log_softmax(model._ar_logits(h[0, 5:]), dim=-1)  # predicts frames 6.. and after
+    x = model.ar_embed_text(text, torch.ones_like(text, dtype=torch.bool))
+    h = model.ar_core(x, torch.ones_like(text, dtype=torch.bool),
+                       model.ar_embed_audio(tokens, torch.arange(tokens.shape[1])), valid)  # fmt: skip
+    logp = torch.log_softmax(model.ar_logits(h[0, 5:]), dim=-1)  # predicts frames 6.. and after
     targets = torch.cat([gen[best, :k], torch.tensor([NUM_AUDIO_TOKENS])])
     stopped_on_eos = k < 14  # the cap is 2 x 7 text tokens
     picked = logp[torch.arange(k + 1), targets][: k + int(stopped_on_eos)]
@@ -122,14 +124,14 @@ def test_ar_generate_says_which_rows_ended_on_eos():
     prompt, plens = _prompt(b)
     args = (b["text_tokens"], b["text_tokens_lens"], prompt[..., 0], plens)
     common = dict(top_k=-100, top_p=1.0, temperature=1.0, max_len_ratio=4, use_kv_cache=True, seed=0)
-    _, lens, _, ended_on_eos = model._ar_generate(*args, force_len=None, **common)
+    _, lens, _, ended_on_eos = ar_generate(model, *args, DecodeOptions(force_len=None, **common))
     assert lens.tolist() == [0, 0, 0, 0] and ended_on_eos.all()
-    _, lens, _, ended_on_eos = model._ar_generate(*args, force_len=5, **common)
+    _, lens, _, ended_on_eos = ar_generate(model, *args, DecodeOptions(force_len=5, **common))
     assert lens.tolist() == [5, 5, 5, 5] and not ended_on_eos.any()
 
 
 @pytest.mark.parametrize("all_capped", [False, True])
-def test_best_of_n_passes_over_a_candidate_that_ran_to_the_cap(all_capped):
+def test_best_of_n_passes_over_a_candidate_that_ran_to_the_cap(all_capped, monkeypatch):
     """A looping candidate that never emits EOS can be the most likely per frame; it is kept
     only when every candidate of its row ran to the length cap (then the most likely of them)."""
     model, b = tiny_model("valle", 1).eval(), make_batch()
@@ -142,9 +144,9 @@ def test_best_of_n_passes_over_a_candidate_that_ran_to_the_cap(all_capped):
     gen = torch.stack([torch.full((cap,), 10 + i) for i in range(4)])
 
     def fixed_candidates(*args, **kwargs):
-        return gen, lens, scores, ended_on_eos
+        return ARResult(gen, lens, scores, ended_on_eos)
 
-    model._ar_generate = fixed_candidates
+    monkeypatch.setattr(generation, "ar_generate", fixed_candidates)
     codes, out_lens = model.inference(text, tlens, prompt[:1, :6], plens[:1], num_candidates=4,
                                       max_len_ratio=2.0, return_lens=True)  # fmt: skip
     expected = 0 if all_capped else 2
@@ -152,31 +154,31 @@ def test_best_of_n_passes_over_a_candidate_that_ran_to_the_cap(all_capped):
     assert bool((codes[0, : int(lens[expected]), 0] == 10 + expected).all())
 
 
-def test_repetition_aware_sampling_breaks_loops():
-    # A tied random AR head mostly repeats its input token: greedy decoding loops.
-    model, b = tiny_model("valle", 1, tie_ar_head=True).eval(), make_batch()
+def test_decoding_options_are_checked_and_repetition_aware_sampling_is_gone():
+    with pytest.raises(ValueError, match="stop_rule must be one of"):
+        DecodeOptions(stop_rule="never")
+    with pytest.raises(ValueError, match="on_empty must be"):
+        DecodeOptions(on_empty="skip")
+    with pytest.raises(ValueError, match="--num-candidates must be >= 1"):
+        DecodeOptions(num_candidates=0)
+    # Removed (measured worse here): asking for it is an error, not a silent no-op.
+    model, b = tiny_model("valle", 1).eval(), make_batch()
     prompt, plens = _prompt(b)
-    args = (b["text_tokens"], b["text_tokens_lens"], prompt, plens)
-    plain = model.inference(*args, top_k=1, force_len=30)
-    ras = model.inference(*args, top_k=1, force_len=30, seed=0, repetition_aware=True)
-    for r in range(4):
-        assert len(torch.unique(plain[r, :, 0])) <= 3
-        assert len(torch.unique(ras[r, :, 0])) >= 10
-        counts = torch.bincount(ras[r, :, 0], minlength=NUM_AUDIO_TOKENS + 1)
-        assert int(counts.max()) <= 12  # no token keeps more than about 1 in 10 + the window
+    with pytest.raises(TypeError, match="repetition_aware"):
+        model.inference(b["text_tokens"], b["text_tokens_lens"], prompt, plens, repetition_aware=True)
 
 
 def test_nar_text_drops_the_prompt_transcript_per_row():
-    model = tiny_model("valle", 4).eval()
     text = torch.tensor([[1, 10, 11, 12, 20, 21, 2], [1, 13, 22, 23, 24, 2, 0]])
     lens = torch.tensor([7, 6])
-    out, out_lens = model._nar_text(text, lens, torch.tensor([3, 1]))
-    assert out_lens.tolist() == [4, 5]
-    assert out[0, :4].tolist() == [1, 20, 21, 2] and out[1, :5].tolist() == [1, 22, 23, 24, 2]
-    with pytest.raises(ValueError, match="needs prompt_text_lens"):
-        model._nar_text(text, lens, None)
-    mode1 = tiny_model("valle", 1)
-    assert mode1._nar_text(text, lens, None)[0] is text  # mode 1: the whole text, as trained
+    for mode in (PrefixMode.RANDOM_SEGMENT, PrefixMode.OTHER_UTTERANCE):
+        out, out_lens = nar_text(text, lens, torch.tensor([3, 1]), mode)
+        assert out_lens.tolist() == [4, 5]
+        assert out[0, :4].tolist() == [1, 20, 21, 2] and out[1, :5].tolist() == [1, 22, 23, 24, 2]
+        with pytest.raises(ValueError, match=f"--prefix-mode {int(mode)} needs prompt_text_lens"):
+            nar_text(text, lens, None, mode)
+    for mode in (PrefixMode.NONE, PrefixMode.UTTERANCE_PREFIX):  # the whole text, as trained
+        assert nar_text(text, lens, None, mode)[0] is text
 
 
 def test_position_layouts_are_a_permutation():
@@ -193,7 +195,7 @@ def test_nar_head_tying(tie):
     model = tiny_model("valle", 1, nar_head_tie=tie)
     h = torch.randn(Q - 1, 3, model.nar_dim)
     stage = torch.arange(1, Q)
-    logits = model._nar_head(h, stage)
+    logits = model.nar_head(h, stage)
     table = model.nar_audio_embedding[:, :NUM_AUDIO_TOKENS]
     for j in range(1, Q):
         if tie == "same":
@@ -252,8 +254,8 @@ def _far_codes_but_3(width: int = NUM_AUDIO_TOKENS) -> list[torch.Tensor]:
 
 def test_nar_mmse_decoding_reaches_codebooks_1_to_7_only():
     model, b = tiny_model("valle", 1).eval(), make_batch()
-    sharp = model._nar_head
-    model._nar_head = lambda h, stage: sharp(h, stage) * 0.01  # an unsure NAR (untrained: sure)
+    sharp = model.nar_head
+    model.nar_head = lambda h, stage: sharp(h, stage) * 0.01  # an unsure NAR (untrained: sure)
     prompt, plens = _prompt(b)
     args = (b["text_tokens"], b["text_tokens_lens"], prompt, plens)
     common = dict(top_k=5, max_len_ratio=2.0, seed=0, return_lens=True)

@@ -12,12 +12,13 @@ from models_testlib import make_batch, run, tiny_model
 
 from valle.models import TRAINING_HPARAMS, get_model
 from valle.models.convert import ours_hparams
+from valle.models.layout import lengths_to_valid
+from valle.models.losses import GuidedAttention
 from valle.models.transformer import AttentionProbe, prefix_causal_mask
-from valle.models.valle import GuidedAttention, _lengths_to_valid
 
 
 def _valid(lens, width):
-    return _lengths_to_valid(torch.tensor(lens), width)
+    return lengths_to_valid(torch.tensor(lens), width)
 
 
 def test_penalty_grid_is_zero_on_each_rows_diagonal_and_on_padding():
@@ -57,11 +58,11 @@ def test_probing_the_attention_leaves_the_forward_unchanged(name):
     audio = batch["audio_features"][..., 0].clamp(max=1023)
     audio_valid = _valid(batch["audio_features_lens"].tolist(), audio.shape[1])
     pos = torch.arange(audio.shape[1])
-    x = model._ar_embed_text(batch["text_tokens"], text_valid)
-    y = model._ar_embed_audio(audio, pos)
-    plain = model._ar_core(x, text_valid, y, audio_valid)
+    x = model.ar_embed_text(batch["text_tokens"], text_valid)
+    y = model.ar_embed_audio(audio, pos)
+    plain = model.ar_core(x, text_valid, y, audio_valid)
     probe = AttentionProbe()
-    probed = model._ar_core(x, text_valid, y, audio_valid, probe=probe, probe_last=2)
+    probed = model.ar_core(x, text_valid, y, audio_valid, probe=probe, probe_last=2)
     scores = probe.scores
     torch.testing.assert_close(probed, plain, rtol=1e-5, atol=1e-5)
     assert len(scores) == 2
@@ -87,8 +88,8 @@ def test_the_guided_heads_probe_is_the_text_block_of_the_full_attention():
 
     def penalty(full: bool) -> torch.Tensor:
         model.zero_grad()
-        x = model._ar_embed_text(text, text_valid)
-        y = model._ar_embed_audio(audio, torch.arange(audio.shape[1]))
+        x = model.ar_embed_text(text, text_valid)
+        y = model.ar_embed_audio(audio, torch.arange(audio.shape[1]))
         s = x.shape[1]
         if full:  # every head, every row and column, sliced afterwards
             probe = AttentionProbe()
@@ -97,7 +98,7 @@ def test_the_guided_heads_probe_is_the_text_block_of_the_full_attention():
             scores = [sc[:, :2, s:, :s] for sc in probe.scores]
         else:
             probe = AttentionProbe(heads=guided.heads)
-            model._ar_core(x, text_valid, y, audio_valid, probe=probe, probe_last=guided.layers)
+            model.ar_core(x, text_valid, y, audio_valid, probe=probe, probe_last=guided.layers)
             scores = probe.scores
             assert [sc.shape[1] for sc in scores] == [2, 2]  # only the guided heads computed
         value = guided.loss(scores, text_valid, audio_valid)

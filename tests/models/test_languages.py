@@ -1,13 +1,10 @@
-"""VALL-E X: language-ID embedding (--num-languages) and cross-lingual synthesis."""
+"""VALL-E X: the language-ID embedding (--num-languages) in training and decoding."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from models_testlib import make_batch, run, tiny_model
-from test_synthesis import FakeCodec, setup  # noqa: F401  (module fixture reused)
-
-from valle.infer import InputError, Item, Synthesizer
 
 
 def test_language_ids_condition_both_halves():
@@ -57,22 +54,3 @@ def test_per_token_languages_at_inference_batch_equals_rows():
                                   prompt_text_lens=ptl, text_languages=torch.zeros(4, dtype=torch.long),
                                   **kw)  # fmt: skip
     assert not torch.equal(monolingual, batched)
-
-
-def test_cross_lingual_synthesis(setup, tmp_path):  # noqa: F811
-    _, table, prompt = setup
-    model = tiny_model("valle", 1, num_languages=2).eval()
-    synth = Synthesizer(model, table, FakeCodec(), "cpu", language="cmn", prompt_language="en-us",
-                        checkpoint_config={"languages": ["en-us", "cmn"]})  # fmt: skip
-    item = Item("the dog", str(prompt), "你好", tmp_path / "x.wav", "item 0")
-    tokens, _, prompt_lens = synth._text_tokens([item], continual=False)
-    langs = synth._text_languages(tokens, prompt_lens)
-    n_prompt = int(prompt_lens[0]) + 1  # BOS + the English transcript (+ word separator)
-    assert langs[0, :n_prompt].tolist() == [0] * n_prompt
-    assert langs[0, n_prompt:].tolist() == [1] * (tokens.shape[1] - n_prompt)
-    [wav] = synth.synthesize([item], top_k=1, max_len_ratio=1.0)
-    assert wav.numel() == tokens.shape[1] * 320
-    with pytest.raises(InputError, match="pass --languages"):
-        Synthesizer(model, table, FakeCodec(), "cpu", language="cmn")
-    with pytest.raises(InputError, match="--language fr-fr: not one of"):
-        Synthesizer(model, table, FakeCodec(), "cpu", language="fr-fr", languages="en-us,cmn")

@@ -6,8 +6,8 @@ import pytest
 import torch
 from models_testlib import make_batch, tiny_model
 
+from valle.models.layout import lengths_to_valid
 from valle.models.transformer import prefix_causal_mask
-from valle.models.valle import _lengths_to_valid
 
 
 def test_prefix_causal_mask_structure():
@@ -30,10 +30,10 @@ def test_prefix_causal_mask_structure():
 
 def _ar_hidden_full(model, text, text_lens, audio_tokens):
     """Hidden states of every column [text; audio] of the decoder-only AR."""
-    text_valid = _lengths_to_valid(text_lens, text.shape[1])
-    x = model._ar_embed_text(text, text_valid)
+    text_valid = lengths_to_valid(text_lens, text.shape[1])
+    x = model.ar_embed_text(text, text_valid)
     pos = torch.arange(audio_tokens.shape[1])
-    y = model._ar_embed_audio(audio_tokens, pos)
+    y = model.ar_embed_audio(audio_tokens, pos)
     key_valid = torch.cat([text_valid, torch.ones_like(audio_tokens, dtype=torch.bool)], dim=1)
     mask = prefix_causal_mask(key_valid, text.shape[1])
     return model.ar_decoder(torch.cat([x, y], dim=1), mask)
@@ -60,14 +60,14 @@ def test_ar_core_causal_and_padding_inert(name):
     model = tiny_model(name).eval()
     b = make_batch()
     text, lens = b["text_tokens"], b["text_tokens_lens"]
-    text_valid = _lengths_to_valid(lens, text.shape[1])
+    text_valid = lengths_to_valid(lens, text.shape[1])
     audio = b["audio_features"][..., 0].clamp(max=1023)
     pos = torch.arange(audio.shape[1])
     valid = torch.ones_like(audio, dtype=torch.bool)
 
     def hidden(txt, aud):
-        x = model._ar_embed_text(txt, text_valid)
-        return model._ar_core(x, text_valid, model._ar_embed_audio(aud, pos), valid)
+        x = model.ar_embed_text(txt, text_valid)
+        return model.ar_core(x, text_valid, model.ar_embed_audio(aud, pos), valid)
 
     h1 = hidden(text, audio)
     audio2 = audio.clone()

@@ -111,8 +111,7 @@ class TtsDataModule:
         g.add_argument("--drop-last", type=str2bool, default=False)
         g.add_argument("--num-workers", type=int, default=2)
         g.add_argument("--max-prompt-duration", type=float, default=3.0,
-                       help="prompt seconds: --prefix-mode 4 cuts a neighbouring utterance to this; "
-                            "--paired-prompts takes whole neighbours up to this long")
+                       help="prompt seconds: --prefix-mode 4 cuts a neighbouring utterance to this")
         g.add_argument("--languages", default=None,
                        help="VALL-E X (--num-languages > 0): the espeak voices in language-id order, "
                             "comma-separated (en-us,cmn); default: the voices bin/tokenizer.py "
@@ -235,7 +234,6 @@ class TtsDataModule:
             prompt_cuts=cuts if prompts else None,
             max_prompt_duration=self._arg("max_prompt_duration", 3.0),
             languages=self.languages(),
-            paired_prompts=self._paired(),
         )
         return ManifestLoader(dataset, BudgetedSampler(sampler, constraint), self.args.num_workers,
                               world_size, rank, seed)
@@ -246,8 +244,7 @@ class TtsDataModule:
         from valle.data.shar import SharLoader, SharTrainSet, find_shards
 
         if self._prompts():
-            flag = "--paired-prompts" if self._paired() else "--prefix-mode 4"
-            raise ValueError(f"{flag} needs a cut manifest for its prompt index: "
+            raise ValueError("--prefix-mode 4 needs a cut manifest for its prompt index: "
                              "train it from --manifest-dir, not --shar-dir")
         shards = find_shards(self.args.shar_dir)
         seed = int(self._arg("seed", 0) or 0)
@@ -274,10 +271,7 @@ class TtsDataModule:
         return scan.sampler, scan.dataset
 
     def _prompts(self) -> bool:
-        return int(self._arg("prefix_mode", 0) or 0) == 4 or self._paired()
-
-    def _paired(self) -> bool:
-        return bool(self._arg("paired_prompts", False))
+        return int(self._arg("prefix_mode", 0) or 0) == 4
 
     # ---- public API --------------------------------------------------------
     def train_dataloader(self, rank: int = 0, world_size: int = 1,

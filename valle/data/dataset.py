@@ -10,12 +10,10 @@ import torch
 
 from valle.codec.constants import FRAME_RATE
 from valle.data.collation import collate_audio_features, cut_text_symbols
-from valle.data.text import WORD_SEP, TextTokenCollater
+from valle.data.text import TextTokenCollater
 
 logger = logging.getLogger(__name__)
 
-
-_SYMBOL_JOIN = "\x1f"  # ASCII unit separator: never a phoneme symbol
 
 
 @dataclass(frozen=True)
@@ -23,12 +21,6 @@ class _PromptSource:
     cut_id: str
     duration: float
     features: object  # lhotse Features: enough to load codes without keeping whole cuts
-    # Whole mode: its phoneme symbols joined by _SYMBOL_JOIN (one str per cut, not a tuple of
-    # strs: the index holds every cut of the corpus).
-    symbols: str = ""
-
-    def symbol_list(self) -> list[str]:
-        return self.symbols.split(_SYMBOL_JOIN) if self.symbols else []
 
 
 class PromptIndex:
@@ -36,22 +28,17 @@ class PromptIndex:
     the same speaker (wrapping around) that is <= max_duration, else the next one cut to
     max_duration. Deterministic: it depends on the ids only, not on sampling order."""
 
-    def __init__(self, cuts, max_duration: float = 3.0, whole: bool = False) -> None:
+    def __init__(self, cuts, max_duration: float = 3.0) -> None:
         self.max_duration = max_duration
-        # whole: a prompt is a whole utterance (its transcript goes in front of the text), so a
-        # cut whose speaker has none <= max_duration gets no prompt instead of a cut one.
-        self.whole = whole
         by_speaker: dict[str, list[_PromptSource]] = {}
         for cut in cuts:
             spk = cut.supervisions[0].speaker if cut.supervisions else None
             if spk is None or cut.features is None:
                 continue
-            symbols = _SYMBOL_JOIN.join(cut_text_symbols(cut)) if whole else ""
-            by_speaker.setdefault(spk, []).append(_PromptSource(cut.id, cut.duration, cut.features, symbols))
+            by_speaker.setdefault(spk, []).append(_PromptSource(cut.id, cut.duration, cut.features))
         self.by_speaker = {s: sorted(v, key=lambda p: p.cut_id) for s, v in by_speaker.items()}
         self.position = {p.cut_id: (s, i) for s, v in self.by_speaker.items() for i, p in enumerate(v)}
         self.self_prompted = 0  # cuts whose speaker has no other utterance (counted, not silent)
-        self.unpaired = 0  # whole mode: cuts with no short-enough other utterance (counted)
 
     def choose(self, cut) -> _PromptSource | None:
         spk = cut.supervisions[0].speaker if cut.supervisions else None
@@ -67,24 +54,13 @@ class PromptIndex:
         for p in others:
             if p.duration <= self.max_duration:
                 return p
-        if self.whole:
-            self.unpaired += 1
-            return None
         return others[0]
 
     def load(self, source: _PromptSource):
         f = source.features
-        if self.whole:
-            return f.load()
         duration = min(source.duration, self.max_duration)
         codes = f.load(start=f.start, duration=duration)
         return codes[: int(round(self.max_duration * FRAME_RATE))]
-
-
-def _prompted_text(source: _PromptSource | None, text: list[str]) -> list[str]:
-    """The prompt's transcript, a word separator, the text (as bin/infer.py joins them)."""
-    prompt = source.symbol_list() if source is not None else []
-    return prompt + [WORD_SEP] + text if prompt and text else prompt + text
 
 
 class SpeechSynthesisDataset(torch.utils.data.Dataset):
@@ -95,27 +71,16 @@ class SpeechSynthesisDataset(torch.utils.data.Dataset):
     (prefix mode 4). A speaker with a single utterance is prompted with the first 3 s of
     the utterance itself, and counted in ``prompt_index.self_prompted``.
 
-    With ``paired_prompts`` (--paired-prompts, AR training as zero-shot inference runs), the
-    prompt is a whole neighbouring utterance of the same speaker (<= ``max_prompt_duration``)
-    and its transcript goes in front of the text, joined by a word separator as bin/infer.py
-    joins them: ``text_tokens`` = BOS + prompt text + _ + text + EOS, ``audio_features`` the
-    cut alone, ``prompt_features`` the prompt's codes. A cut with no such utterance gets an
-    empty prompt (length 0) and its own text, counted in ``prompt_index.unpaired``.
-
     With ``languages`` (VALL-E X, --num-languages > 0: the espeak voices in id order), each row
     also gets ``text_languages`` (B,): the id of the voice its text was phonemized with, which
     bin/tokenizer.py stored as the supervision's ``custom["espeak_voice"]``.
     """
 
     def __init__(self, text_collater: TextTokenCollater, prompt_cuts=None,
-                 max_prompt_duration: float = 3.0, languages: Sequence[str] | None = None,
-                 paired_prompts: bool = False) -> None:
+                 max_prompt_duration: float = 3.0, languages: Sequence[str] | None = None) -> None:
         super().__init__()
-        if paired_prompts and prompt_cuts is None:
-            raise ValueError("paired prompts need prompt_cuts: the CutSet the prompts come from")
         self.text_collater = text_collater
-        self.prompt_index = (PromptIndex(prompt_cuts, max_prompt_duration, whole=paired_prompts)
-                             if prompt_cuts is not None else None)
+        self.prompt_index = PromptIndex(prompt_cuts, max_prompt_duration) if prompt_cuts is not None else None
         self.language_ids = {lang: i for i, lang in enumerate(languages)} if languages else None
 
     def __getitem__(self, cuts) -> dict:
@@ -131,8 +96,6 @@ class SpeechSynthesisDataset(torch.utils.data.Dataset):
         audio, audio_lens = collate_audio_features(features)
         texts = [cut_text_symbols(c) for c in cuts]
         prompt_sources = [self.prompt_index.choose(c) for c in cuts] if self.prompt_index else None
-        if self.paired:
-            texts = [_prompted_text(src, text) for src, text in zip(prompt_sources, texts)]
         tokens, token_lens = self.text_collater(texts, ids=ids)
         batch = {
             "cut_ids": ids,
@@ -150,16 +113,9 @@ class SpeechSynthesisDataset(torch.utils.data.Dataset):
             batch["prompt_features"], batch["prompt_features_lens"] = collate_audio_features(prompts)
         return batch
 
-    @property
-    def paired(self) -> bool:
-        """--paired-prompts: the prompt index holds whole utterances with their transcripts."""
-        return self.prompt_index is not None and self.prompt_index.whole
-
     def _prompt_codes(self, source: _PromptSource | None, own_codes):
         if source is not None:
             return self.prompt_index.load(source)
-        if self.paired:  # no whole utterance to pair with: an empty prompt
-            return own_codes[:0]
         return own_codes[: int(round(self.prompt_index.max_duration * FRAME_RATE))]
 
     def _language_id(self, cut) -> int:

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
+from valle.models.layout import lengths_to_valid
+from valle.models.losses import GuidedAttention
 from valle.models.transformer import AttentionProbe, prefix_causal_mask
-from valle.models.valle import GuidedAttention, _lengths_to_valid
 
 
 @dataclass
@@ -42,12 +43,12 @@ class HeadAlignment:
 
 def _text_attention(model, text, text_valid, codes0, audio_valid, langs=None):
     """Per layer: (attention probabilities over the text (B, H, T, S), text mass (B, H, T))."""
-    x = model._ar_embed_text(text, text_valid, langs)
-    y = model._ar_embed_audio(codes0, torch.arange(codes0.shape[1], device=codes0.device))
+    x = model.ar_embed_text(text, text_valid, langs)
+    y = model.ar_embed_audio(codes0, torch.arange(codes0.shape[1], device=codes0.device))
     layers = len(model.ar_decoder.layers)
     if model.cross_attention:  # VALL-F: the cross-attention sees only the text
         probe = AttentionProbe()
-        model._ar_core(x, text_valid, y, audio_valid, probe=probe, probe_last=layers)
+        model.ar_core(x, text_valid, y, audio_valid, probe=probe, probe_last=layers)
         return [(s.softmax(-1), torch.ones(s.shape[:-1], device=s.device)) for s in probe.scores]
     s_len = x.shape[1]
     mask = prefix_causal_mask(torch.cat([text_valid, audio_valid], dim=1), s_len)
@@ -73,8 +74,8 @@ def head_alignment(
     was_training = model.training
     model.eval()
     try:
-        text_valid = _lengths_to_valid(text_lens, text.shape[1])
-        audio_valid = _lengths_to_valid(audio_lens, codes0.shape[1])
+        text_valid = lengths_to_valid(text_lens, text.shape[1])
+        audio_valid = lengths_to_valid(audio_lens, codes0.shape[1])
         per_layer = _text_attention(model, text, text_valid, codes0, audio_valid, langs)
     finally:
         model.train(was_training)

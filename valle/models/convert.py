@@ -32,8 +32,8 @@ import torch
 
 from valle.args import str2bool
 
-from . import LEGACY_HPARAMS, TRAINING_HPARAMS, model_hparams
-from .valle import NUM_AUDIO_TOKENS
+from .config import LEGACY_HPARAMS, TRAINING_HPARAMS, model_hparams
+from .layout import NUM_AUDIO_TOKENS
 
 LIFEITENG_HPARAM_KEYS = (
     "decoder_dim", "nhead", "num_decoder_layers", "scale_factor", "norm_first", "add_prenet",
@@ -105,7 +105,10 @@ def from_payload(
     missing = [k for k in REQUIRED_CONFIG_KEYS if k not in config]
     if missing:
         raise CheckpointError(f"checkpoint {name}: its config lacks {', '.join(missing)}")
-    return state, ours_hparams(config, state)
+    try:
+        return state, ours_hparams(config, state)
+    except ValueError as e:  # a removed option, or a value no longer accepted
+        raise CheckpointError(f"checkpoint {name}: {e}") from e
 
 
 def ours_hparams(config: Mapping[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:

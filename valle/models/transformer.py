@@ -41,11 +41,40 @@ class KVCache:
         return self.k[:, :, : self.length], self.v[:, :, : self.length]
 
 
-class LayerCache:
-    """Self-attention cache plus (for cross-attention layers) the memory's keys/values."""
+class StaticKVCache:
+    """Keys/values of one attention layer in buffers of fixed shape (B, H, max_len, Dh).
 
-    def __init__(self, max_len: int):
-        self.self_attn = KVCache(max_len)
+    New keys are written at column ``cursor`` (a device tensor shared by every layer of a
+    stack; whoever decodes advances it) and attention always reads the whole buffer, the
+    columns not written yet masked out: every decoding step then has the same shapes and
+    no host synchronisation, so a CUDA graph can replay it.
+    """
+
+    def __init__(self, max_len: int, cursor: torch.Tensor):
+        self.max_len, self.cursor = max_len, cursor
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None:
+            b, h, _, d = k.shape
+            # Zeros, not empty: a masked key's value is still multiplied by its zero weight,
+            # and 0 x NaN garbage would be NaN.
+            self.k = k.new_zeros(b, h, self.max_len, d)
+            self.v = v.new_zeros(b, h, self.max_len, d)
+        cols = self.cursor + torch.arange(k.shape[2], device=k.device)
+        self.k.index_copy_(2, cols, k)
+        self.v.index_copy_(2, cols, v)
+        return self.k, self.v
+
+
+class LayerCache:
+    """Self-attention cache plus (for cross-attention layers) the memory's keys/values.
+
+    With ``cursor`` (a (1,) long tensor) the self-attention cache is a ``StaticKVCache``."""
+
+    def __init__(self, max_len: int, cursor: torch.Tensor | None = None):
+        self.self_attn = KVCache(max_len) if cursor is None else StaticKVCache(max_len, cursor)
         self.memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -129,6 +158,9 @@ class MultiHeadAttention(nn.Module):
             q, k, v = self._heads(F.linear(x, self.qkv_proj.weight, bias), 3).unbind(0)
             if cache is not None:
                 k, v = cache.self_attn.append(k, v)
+                if mask is not None and mask.shape[-1] < k.shape[2]:
+                    # A static cache: the columns after the mask's are not written yet.
+                    mask = F.pad(mask, (0, k.shape[2] - mask.shape[-1]), value=False)
         dropout_p = self.dropout if self.training else 0.0
         if probe is not None:
             probe.record(q, k, mask)
@@ -246,8 +278,9 @@ class TransformerStack(nn.Module):
         if norm_first:
             self.final_norm = AdaptiveLayerNorm(dim) if adaptive else nn.LayerNorm(dim)
 
-    def new_caches(self, max_len: int) -> list[LayerCache]:
-        return [LayerCache(max_len) for _ in self.layers]
+    def new_caches(self, max_len: int, cursor: torch.Tensor | None = None) -> list[LayerCache]:
+        """One cache per layer; with ``cursor``, static ones that all write at it."""
+        return [LayerCache(max_len, cursor) for _ in self.layers]
 
     def forward(
         self,

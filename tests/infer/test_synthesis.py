@@ -16,6 +16,7 @@ from valle.infer import (
     Item,
     Synthesizer,
     build_parser,
+    decode_options,
     load_model,
     main,
     read_items,
@@ -84,7 +85,7 @@ def _args(tmp: Path, **over) -> argparse.Namespace:
 def test_batch_of_8_with_one_degenerate_row(setup, tmp_path):
     _, table, prompt = setup
     model = tiny_model("valle", 1).eval()
-    original, step = model._ar_logits, {"n": 0}
+    original, step = model.ar_logits, {"n": 0}
 
     def eos_first_for_row_5(h):
         logits = original(h)
@@ -93,7 +94,7 @@ def test_batch_of_8_with_one_degenerate_row(setup, tmp_path):
         step["n"] += 1
         return logits
 
-    model._ar_logits = eos_first_for_row_5
+    model.ar_logits = eos_first_for_row_5
     synth = Synthesizer(model, table, FakeCodec(), "cpu")
     items = [
         Item("the dog", str(prompt), t, tmp_path / f"{i}.wav", f"item {i}")
@@ -128,8 +129,8 @@ class VectorCodec(FakeCodec):
 def test_nar_decoding_mmse_uses_the_codecs_code_vectors(setup, tmp_path, continual):
     _, table, prompt = setup
     model = tiny_model("valle", 1).eval()
-    sharp = model._nar_head
-    model._nar_head = lambda h, stage: sharp(h, stage) * 0.01  # unsure everywhere
+    sharp = model.nar_head
+    model.nar_head = lambda h, stage: sharp(h, stage) * 0.01  # unsure everywhere
     items = [Item("the dog", str(prompt), t, tmp_path / f"{i}.wav", f"item {i}")
              for i, t in enumerate(TEXTS[:2])]  # fmt: skip
     flags = {"--batch-size": 2, "--continual": True} if continual else {"--batch-size": 2}
@@ -261,3 +262,51 @@ def test_docs_show_every_flag():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "inference.md").read_text()
     flags = {f for a in build_parser()._actions for f in a.option_strings if f.startswith("--")}
     assert sorted(f for f in flags - {"--help"} if f"`{f}`" not in doc) == []
+
+
+def test_cross_lingual_synthesis(setup, tmp_path):
+    _, table, prompt = setup
+    model = tiny_model("valle", 1, num_languages=2).eval()
+    synth = Synthesizer(model, table, FakeCodec(), "cpu", language="cmn", prompt_language="en-us",
+                        checkpoint_config={"languages": ["en-us", "cmn"]})  # fmt: skip
+    item = Item("the dog", str(prompt), "你好", tmp_path / "x.wav", "item 0")
+    tokens, _, prompt_lens = synth._text_tokens([item], continual=False)
+    langs = synth._text_languages(tokens, prompt_lens)
+    n_prompt = int(prompt_lens[0]) + 1  # BOS + the English transcript (+ word separator)
+    assert langs[0, :n_prompt].tolist() == [0] * n_prompt
+    assert langs[0, n_prompt:].tolist() == [1] * (tokens.shape[1] - n_prompt)
+    [wav] = synth.synthesize([item], top_k=1, max_len_ratio=1.0)
+    assert wav.numel() == tokens.shape[1] * 320
+    with pytest.raises(InputError, match="pass --languages"):
+        Synthesizer(model, table, FakeCodec(), "cpu", language="cmn")
+    with pytest.raises(InputError, match="--language fr-fr: not one of"):
+        Synthesizer(model, table, FakeCodec(), "cpu", language="fr-fr", languages="en-us,cmn")
+
+
+def test_experimental_decoding_flags_are_grouped_and_removed_ones_refused(tmp_path):
+    parser = build_parser()
+    group = next(g for g in parser._action_groups if g.title == "decoding (experimental)")
+    [stop_rule] = group._group_actions
+    assert stop_rule.dest == "stop_rule" and "experimental" in stop_rule.help
+    assert _args(tmp_path, **{"--stop-rule": "sampled"}).stop_rule == "sampled"
+    for removed in ("--repetition-aware", "--ras-window"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--checkpoint", "x", removed])
+
+
+def test_static_cache_flag_gives_the_same_audio_and_cuda_graphs_refuse_cpu(setup, tmp_path, capsys):
+    _, table, prompt = setup
+    model = tiny_model("valle", 1, share_embedding=False).eval()
+    synth = Synthesizer(model, table, FakeCodec(), "cpu")
+    items = [Item("the dog", str(prompt), t, tmp_path / f"{i}.wav", f"item {i}")
+             for i, t in enumerate(TEXTS)]  # fmt: skip
+    args = _args(tmp_path, **{"--max-len-ratio": 2})
+    static = _args(tmp_path, **{"--max-len-ratio": 2, "--static-cache": True})
+    options = decode_options(static)
+    assert options["static_cache"] and not options["cuda_graphs"]
+    plain = synth.synthesize(items, **decode_options(args))
+    assert [w.shape for w in synth.synthesize(items, **options)] == [w.shape for w in plain]
+    rc = main(["--checkpoint", str(tmp_path / "none.pt"), "--text-prompts", "the dog",
+               "--audio-prompts", str(prompt), "--text", "a fox", "--output-dir", str(tmp_path),
+               "--device", "cpu", "--cuda-graphs"])  # fmt: skip
+    assert rc == 2 and "--cuda-graphs needs a CUDA device" in capsys.readouterr().err
