@@ -583,11 +583,11 @@ def load_for_synthesis(args: argparse.Namespace, device: torch.device):
     table = args.text_tokens or config.get("text_tokens")
     if not table:
         raise InputError("the checkpoint names no text_tokens symbol table: pass --text-tokens")
-    if not Path(table).is_file():
+    if not Path(table).is_file():  # before the codec loads: a lifeiteng checkpoint names its recipe's path
         raise InputError(f"symbol table {table} not found (pass --text-tokens)")
     from valle.codec import CodecMismatchError, codec_for_checkpoint
 
-    try:
+    try:  # the codec the checkpoint's corpus was tokenized with (valle/codec: EnCodec or mel-rvq)
         audio_tokenizer = codec_for_checkpoint(
             config, device, args.encodec_checkpoint, args.allow_random_encodec,
             codec_dir=args.codec_dir,
@@ -605,23 +605,7 @@ def run(args: argparse.Namespace) -> RunResult:
         raise InputError(f"--cuda-graphs needs a CUDA device, got --device {device}")
     vocos_weights = resolve_vocos(args)
     torch.manual_seed(args.seed)
-    model, config = load_model(args.checkpoint, device, args.use_averaged_model, DTYPES[args.dtype])
-    table = args.text_tokens or config.get("text_tokens")
-    if not table:
-        raise InputError("the checkpoint names no text_tokens symbol table: pass --text-tokens")
-    if not Path(
-        table
-    ).is_file():  # before the codec loads: a lifeiteng checkpoint names its recipe's path
-        raise InputError(f"symbol table {table} not found (pass --text-tokens)")
-    from valle.codec import CodecMismatchError, codec_for_checkpoint
-
-    try:  # the codec the checkpoint's corpus was tokenized with (valle/codec: EnCodec or mel-rvq)
-        audio_tokenizer = codec_for_checkpoint(
-            config, device, args.encodec_checkpoint, args.allow_random_encodec,
-            codec_dir=args.codec_dir,
-        )
-    except (FileNotFoundError, CodecMismatchError) as e:
-        raise InputError(str(e)) from e
+    model, config, table, audio_tokenizer = load_for_synthesis(args, device)
     synth = Synthesizer(model, table, audio_tokenizer, device, language=args.language,
                         prompt_language=args.prompt_language, checkpoint_config=config,
                         languages=args.languages, text_extractor=args.text_extractor)  # fmt: skip

@@ -32,7 +32,7 @@ _GROUP_DESCRIPTIONS = {
 # Options that existed once and were removed: the value that meant "off" (a checkpoint that
 # records it still loads); any other value names the option in an error.
 REMOVED_OPTIONS: dict[str, Any] = {
-    "paired_prompts": False,  # no held-out PER gain (docs/evaluation.md)
+    "paired_prompts": False,  # no held-out PER gain (docs/results-log.md)
 }
 
 
