@@ -2,6 +2,7 @@
 # Train VALL-E on a tokenized corpus (egs/<corpus>/run.sh calls this), as in the original recipes.
 #   egs/train.sh --dataset libritts [--recipe two-stage|single-stage] [--nproc 8] [--dtype bfloat16]
 #       [--max-duration 80] [--max-text-tokens auto|N|off] [--shar-dir data/shar/train]
+#       [--num-languages 2 --languages en-us,cmn]   (VALL-E X: egs/vallex/run.sh)
 # two-stage (default): the AR (--train-stage 1), then the NAR (--train-stage 2) in the same
 #   --exp-dir: stage 2 starts from the newest AR checkpoint (weights kept; optimizer,
 #   scheduler and sampler state dropped, as the log says), then continues its own.
@@ -20,8 +21,10 @@ max_duration=80
 max_text_tokens=auto
 shar_dir=""   # e.g. data/shar/train (prepare.sh stage 5): stream train from Lhotse Shar shards
 exp_dir=exp/valle
+num_languages=0  # > 0: VALL-E X's language-id embedding; --languages gives the id order
+languages=""
 python=${PYTHON:-python}
-options="dataset recipe nproc dtype num_epochs max_duration max_text_tokens shar_dir exp_dir python"
+options="dataset recipe nproc dtype num_epochs max_duration max_text_tokens shar_dir exp_dir num_languages languages python"
 . "$(dirname "${BASH_SOURCE[0]}")/parse_options.sh"
 
 [ -n "$dataset" ] || { echo "$0: --dataset is required" >&2; exit 1; }
@@ -37,6 +40,8 @@ train=(--manifest-dir data/tokenized --dataset "$dataset" --max-duration "$max_d
        --average-period 0 --save-every-n 10000 --keep-last-k 20 --valid-interval 10000
        --num-epochs "$num_epochs" --exp-dir "$exp_dir")
 if [ -n "$shar_dir" ]; then train+=(--shar-dir "$shar_dir"); fi
+if [ "$num_languages" -gt 0 ]; then model+=(--num-languages "$num_languages"); fi
+if [ -n "$languages" ]; then train+=(--languages "$languages"); fi
 launch=("$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc" --max-restarts 3
         "$root/bin/trainer.py")
 

@@ -59,6 +59,46 @@ def make_ljspeech(root: Path, rows: list[tuple[str, str]], sr: int = 22050) -> P
     return corpus
 
 
+MANDARIN = [("我们回家", "wo3 men5 hui2 jia1"), ("天气很好", "tian1 qi4 hen3 hao3"),
+            ("猫在睡觉", "mao1 zai4 shui4 jiao4"), ("请开门", "qing3 kai1 men2"),
+            ("他笑了", "ta1 xiao4 le5"), ("下雨了", "xia4 yu3 le5")]
+
+
+def make_aishell3(root: Path, parts: dict[str, list[str]], sr: int = 44100) -> Path:
+    """data_aishell3/ as openslr's data_aishell3.tgz unpacks (lhotse's prepare_aishell3 reads
+    exactly these): spk-info.txt (speaker, age group, gender, accent; '#' comments),
+    {part}/content.txt ('{utt}.wav<TAB>' then each character followed by its pinyin),
+    {part}/wav/{spk}/{utt}.wav at 44.1 kHz, and train/label_train-set.txt ('id|pinyin|text'
+    with prosody marks; '#' header lines). Speakers are 'SSB' and 4 digits; utterance ids are
+    the speaker and 4 more digits."""
+    corpus = root / "data_aishell3"
+    corpus.mkdir(parents=True)
+    speakers = sorted({s for spks in parts.values() for s in spks})
+    (corpus / "spk-info.txt").write_text(
+        "# AISHELL-3 speaker info\n# speaker\tage group\tgender\taccent\n"
+        + "".join(f"{s}\tA\t{'female' if i % 2 == 0 else 'male'}\tnorth\n" for i, s in enumerate(speakers)),
+        encoding="utf-8")
+    k = 0
+    labels = ["# AISHELL-3 tone labels", "# id|pinyin|text"]
+    for part, spks in parts.items():
+        content = []
+        for spk in spks:
+            for n in range(2):
+                utt = f"{spk}{n + 1:04d}"
+                text, pinyin = MANDARIN[k % len(MANDARIN)]
+                wav = corpus / part / "wav" / spk / f"{utt}.wav"
+                wav.parent.mkdir(parents=True, exist_ok=True)
+                sf.write(wav, tone(1.4 + 0.1 * n, sr, 50 + k), sr, subtype="PCM_16")
+                content.append(f"{utt}.wav\t" + " ".join(f"{c} {p}" for c, p in zip(text, pinyin.split())))
+                if part == "train":
+                    labels.append(f"{utt}|{pinyin} %|{' '.join(text)} %")
+                k += 1
+        (corpus / part / "content.txt").write_text("\n".join(content) + "\n", encoding="utf-8")
+    (corpus / "train").mkdir(exist_ok=True)
+    (corpus / "train" / "label_train-set.txt").write_text("\n".join(labels) + "\n", encoding="utf-8")
+    return corpus
+
+
 def start_recipe(script: str, *args: str) -> subprocess.Popen:
     """A recipe run in the background (tests overlap the two corpora on two cores)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

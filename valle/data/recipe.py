@@ -1,10 +1,11 @@
 """Recipe steps on tokenized cut manifests (egs/*/prepare.sh stages 3-5), streaming.
 
     python -m valle.data.recipe combine OUT IN [IN ...]     join parts; repeated cut ids dropped
-    python -m valle.data.recipe split ALL --dev N --test M --prefix P --output-dir D
-    python -m valle.data.recipe describe CUTS [CUTS ...]     counts, hours, durations, text tokens
+    python -m valle.data.recipe split ALL --dev N --test M --prefix P --output-dir D [--rest train]
+    python -m valle.data.recipe describe CUTS [CUTS ...]     counts, hours, durations, text tokens, languages
     python -m valle.data.recipe shar CUTS OUT_DIR [--shard-size 1000]
-    python -m valle.data.recipe download|prepare libritts|ljspeech PATHS...   lhotse's recipes
+    python -m valle.data.recipe merge-stats OUT IN [IN ...]  several corpora's text stats as one dataset's
+    python -m valle.data.recipe download|prepare libritts|ljspeech|aishell3|aishell PATHS...   lhotse's recipes
 
 Errors are one line naming the file (exit 2); dropped items are listed, never silent.
 """
@@ -80,17 +81,22 @@ def combine(output: Path, inputs: list[Path]) -> V.ValidationReport:
     return report
 
 
-def split(all_path: Path, output_dir: Path, prefix: str, num_dev: int, num_test: int) -> dict[str, int]:
-    """First ``num_dev`` cuts -> dev, next ``num_test`` -> test, the rest -> train."""
-    counts = {"dev": 0, "test": 0, "train": 0}
+def split(all_path: Path, output_dir: Path, prefix: str, num_dev: int, num_test: int,
+          rest: str = "train") -> dict[str, int]:
+    """First ``num_dev`` cuts -> dev, next ``num_test`` -> test, the rest -> ``rest`` (train;
+    a corpus whose only held-out part is "test", AISHELL-3, takes its dev from it with
+    ``--test 0 --rest test``)."""
+    counts = {"dev": 0, "test": 0, rest: 0}
     paths = {k: output_dir / f"{prefix}_cuts_{k}.jsonl.gz" for k in counts}
+    if Path(all_path).resolve() in {p.resolve() for p in paths.values()}:
+        raise ManifestError(f"{all_path}: split would overwrite its own input (choose another --prefix)")
     writers = {k: _Writer(p) for k, p in paths.items()}
     try:
         for i, cut in enumerate(_iter(all_path)):
-            part = "dev" if i < num_dev else "test" if i < num_dev + num_test else "train"
+            part = "dev" if i < num_dev else "test" if i < num_dev + num_test else rest
             writers[part].write(cut)
             counts[part] += 1
-        if counts["train"] == 0:
+        if counts[rest] == 0:
             raise ManifestError(f"{all_path}: only {sum(counts.values())} cuts, cannot hold out "
                                 f"{num_dev} for dev and {num_test} for test (lower --num-dev/--num-test)")
     except BaseException:
@@ -106,20 +112,47 @@ def split(all_path: Path, output_dir: Path, prefix: str, num_dev: int, num_test:
 def describe(path: Path) -> dict:
     import numpy as np
 
-    durations, tokens, speakers = [], [], set()
+    durations, tokens, speakers, languages = [], [], set(), {}
     for cut in _iter(path):
         sup = (cut.get("supervisions") or [{}])[0]
         custom = sup.get("custom") or {}
         durations.append(float(cut["duration"]))
         tokens.append(int(custom.get("num_text_tokens", len((custom.get("tokens") or {}).get("text", [])))))
         speakers.add(sup.get("speaker"))
+        # the voice the text was phonemized with: what VALL-E X's language ids are made of
+        voice = custom.get("espeak_voice") or "?"
+        languages[voice] = languages.get(voice, 0) + 1
     d = np.array(durations or [0.0])
     t = np.array(tokens or [0])
-    info = {"cuts": len(durations), "hours": float(d.sum() / 3600), "speakers": len(speakers - {None})}
+    info = {"cuts": len(durations), "hours": float(d.sum() / 3600), "speakers": len(speakers - {None}),
+            "languages": dict(sorted(languages.items()))}
+    langs = ", ".join(f"{k} {n}" for k, n in info["languages"].items()) or "none"
     print(f"{path}: {info['cuts']} cuts, {info['hours']:.3f} h, {info['speakers']} speakers; duration s "
           f"min/median/p99/max {d.min():.2f}/{np.median(d):.2f}/{np.percentile(d, 99):.2f}/{d.max():.2f}; "
-          f"text tokens/s {t.sum() / max(d.sum(), 1e-9):.1f}; longest text {int(t.max())} tokens")
+          f"text tokens/s {t.sum() / max(d.sum(), 1e-9):.1f}; longest text {int(t.max())} tokens; "
+          f"cuts per language: {langs}")
     return info
+
+
+def merge_stats(output: Path, inputs: list[Path]) -> dict:
+    """Several corpora's ``{prefix}_text_stats.json`` (bin/tokenizer.py) as one dataset's: the
+    trainer's --max-text-tokens auto and VALL-E X's language list read ``{dataset}_text_stats.json``
+    of the combined dataset. Parts are named ``{prefix}/{part}``."""
+    from valle.data.pipeline import Stats, _atomic_write
+
+    parts, total = {}, Stats()
+    for path in inputs:
+        if not Path(path).is_file():
+            raise ManifestError(f"{path}: no such text stats file (run bin/tokenizer.py first)")
+        prefix = Path(path).name.removesuffix("_text_stats.json")
+        for part, d in json.loads(Path(path).read_text(encoding="utf-8"))["parts"].items():
+            parts[f"{prefix}/{part}"] = d
+            total.merge(Stats.from_json(d))
+    data = {"parts": parts, "total": {k: v for k, v in total.to_json().items() if k != "rate_hist"}}
+    _atomic_write(Path(output), json.dumps(data, indent=1, ensure_ascii=False))
+    langs = ", ".join(f"{k} {int(v['cuts'])}" for k, v in sorted(total.languages.items()))
+    print(f"merge-stats: {len(parts)} parts from {len(inputs)} file(s) -> {output}; cuts per language: {langs}")
+    return data
 
 
 def shar(path: Path, out_dir: Path, shard_size: int) -> list[str]:
@@ -164,15 +197,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--prefix", required=True)
     s.add_argument("--dev", type=int, default=300)
     s.add_argument("--test", type=int, default=300)
+    s.add_argument("--rest", default="train", help="the part the cuts after dev and test go to")
     d = sub.add_parser("describe")
     d.add_argument("cuts", type=Path, nargs="+")
     h = sub.add_parser("shar")
     h.add_argument("cuts", type=Path)
     h.add_argument("output_dir", type=Path)
     h.add_argument("--shard-size", type=int, default=1000)
+    m = sub.add_parser("merge-stats")
+    m.add_argument("output", type=Path)
+    m.add_argument("inputs", type=Path, nargs="+")
     for step in ("download", "prepare"):
         x = sub.add_parser(step, help=f"lhotse's {step}_<corpus> with a one-line error")
-        x.add_argument("corpus", choices=["libritts", "ljspeech"])
+        x.add_argument("corpus", choices=["libritts", "ljspeech", "aishell3", "aishell"])
         x.add_argument("paths", nargs="+", help="download: TARGET [PARTS...]; prepare: CORPUS_DIR OUT_DIR [PARTS...]")
         x.add_argument("--num-jobs", type=int, default=1)
     args = p.parse_args(argv)
@@ -181,10 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "combine":
             combine(args.output, args.inputs)
         elif args.cmd == "split":
-            split(args.all, args.output_dir, args.prefix, args.dev, args.test)
+            split(args.all, args.output_dir, args.prefix, args.dev, args.test, args.rest)
         elif args.cmd == "describe":
             for path in args.cuts:
                 describe(path)
+        elif args.cmd == "merge-stats":
+            merge_stats(args.output, args.inputs)
         elif args.cmd == "shar":
             shar(args.cuts, args.output_dir, args.shard_size)
         else:
