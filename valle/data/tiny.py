@@ -46,6 +46,15 @@ VOICES: tuple[Voice, ...] = (
     Voice("spk_f4", "en-us+f4", rate=190, pitch=70, pitch_range=30),
 )
 
+# The bilingual corpus (VALL-E X, egs/tiny/prepare.sh --bilingual true): two English voices of
+# VOICES and two of eSpeak NG's Mandarin voice, each language's sentences dealt over its voices.
+MANDARIN = "cmn"
+BILINGUAL_VOICES: dict[str, tuple[Voice, ...]] = {
+    LANGUAGE: VOICES[:2],
+    MANDARIN: (Voice("zh_f3", "cmn+f3", rate=150, pitch=65, language=MANDARIN),
+               Voice("zh_m1", "cmn+m1", rate=145, pitch=40, language=MANDARIN)),
+}
+
 # espeak keeps one synthesiser per process (voice, parameters, callback are global state).
 _LOCK = threading.Lock()
 _SynthCallback = ctypes.CFUNCTYPE(
@@ -142,6 +151,17 @@ def synthesize_corpus(
     return synthesize_items([(text, voices[i % len(voices)]) for i, text in enumerate(sentences)], out_dir)
 
 
+def bilingual_items(sentences: dict[str, Sequence[str]], limit: int | None = None,
+                    voices: dict[str, Sequence[Voice]] = BILINGUAL_VOICES) -> list[tuple[str, Voice]]:
+    """(text, voice) pairs of a multilingual corpus: the first ``limit`` sentences of each
+    language, sentence i in voice i % (that language's voices), languages one after another."""
+    items = []
+    for language, texts in sentences.items():
+        own = voices[language]
+        items += [(text, own[i % len(own)]) for i, text in enumerate(texts[:limit] if limit else texts)]
+    return items
+
+
 def synthesize_items(items: Sequence[tuple[str, Voice]], out_dir: str | Path) -> Path:
     """(text, voice) pairs -> wavs and ``metadata.tsv``; utterance i is ``<speaker>_<i:04d>``.
     Voices of several languages make a multilingual corpus (VALL-E X)."""
@@ -223,7 +243,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     s = sub.add_parser("synth", help="synthesise wavs + metadata.tsv")
     s.add_argument("--sentences", required=True)
     s.add_argument("--out-dir", required=True)
-    s.add_argument("--limit", type=int, default=None, help="use only the first N sentences")
+    s.add_argument("--limit", type=int, default=None,
+                   help="use only the first N sentences (of each language with --zh-sentences)")
+    s.add_argument("--zh-sentences", default=None,
+                   help="Mandarin sentences: a bilingual corpus (English and Mandarin voices, VALL-E X)")
     m = sub.add_parser("manifests", help="lhotse RecordingSet/SupervisionSet")
     m.add_argument("--corpus-dir", required=True)
     m.add_argument("--output-dir", required=True)
@@ -235,7 +258,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     sp.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.cmd == "synth":
+    if args.cmd == "synth" and args.zh_sentences:
+        texts = {LANGUAGE: read_sentences(args.sentences), MANDARIN: read_sentences(args.zh_sentences)}
+        synthesize_items(bilingual_items(texts, args.limit), args.out_dir)
+    elif args.cmd == "synth":
         synthesize_corpus(read_sentences(args.sentences), args.out_dir, limit=args.limit)
     elif args.cmd == "manifests":
         make_manifests(args.corpus_dir, args.output_dir, args.prefix)

@@ -5,7 +5,9 @@ PER by the corpus's phoneme judge, speaker similarity of output and prompt, the 
 duration against the text (at the prompt's speaking rate, and against the ground truth when
 given), whether decoding hit the length cap, and WER when Whisper's weights are present.
 Aggregates, plus the same figures on the ground-truth audio (the judge's ceiling) and on the
-codec's resynthesis of it (the ceiling a model of this codec can reach).
+codec's resynthesis of it (the ceiling a model of this codec can reach). Rows may name their
+text's language (VALL-E X, cross-lingual items): each text is phonemized in its own language and
+PER is also reported per language.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from valle.eval.per import edit_distance, spoken
 logger = logging.getLogger(__name__)
 
 COLUMNS = ("prompt_text", "prompt_wav", "text", "out_wav", "ref_wav")
+# Named in a header line only: the espeak language of the text and of the prompt's transcript
+# (default: --language and --prompt-language).
+LANGUAGE_COLUMNS = ("language", "prompt_language")
 
 
 class EvalInputError(ValueError):
@@ -42,6 +47,8 @@ class Row:
     out_wav: str
     prompt_text: str = ""
     ref_wav: str | None = None
+    language: str = ""  # espeak language of text ("": the run's --language)
+    prompt_language: str = ""  # of prompt_text ("": --prompt-language, else the text's)
 
 
 @dataclass
@@ -74,7 +81,8 @@ class RowResult:
 def read_rows_tsv(path: Path, out_dir: Path | None) -> list[Row]:
     """A TSV: bin/infer.py's 4 columns (prompt_text, prompt_wav, text, out_wav), optionally a
     5th ref_wav; a header line naming columns from COLUMNS may set any order; without one, 3
-    columns mean (text, prompt_wav, out_wav). Relative out_wav paths are under ``out_dir``."""
+    columns mean (text, prompt_wav, out_wav); a header may also name ``language`` and
+    ``prompt_language``. Relative out_wav paths are under ``out_dir``."""
     try:
         with open(path, encoding="utf-8", newline="") as f:
             lines = [r for r in csv.reader(f, delimiter="\t") if r and any(c.strip() for c in r)]
@@ -84,7 +92,7 @@ def read_rows_tsv(path: Path, out_dir: Path | None) -> list[Row]:
         raise EvalInputError(f"--tsv {path} holds no rows")
     header = [c.strip() for c in lines[0]]
     start = 1
-    if set(header) <= set(COLUMNS) and {"text", "out_wav", "prompt_wav"} <= set(header):
+    if set(header) <= set(COLUMNS + LANGUAGE_COLUMNS) and {"text", "out_wav", "prompt_wav"} <= set(header):
         cols = header
         lines = lines[1:]
         start = 2
@@ -103,7 +111,8 @@ def read_rows_tsv(path: Path, out_dir: Path | None) -> list[Row]:
         if not out.is_absolute() and out_dir is not None:
             out = out_dir / out
         rows.append(Row(f"{path.name}:{lineno}", d["text"], d["prompt_wav"], str(out),
-                        d.get("prompt_text", ""), d.get("ref_wav") or None))
+                        d.get("prompt_text", ""), d.get("ref_wav") or None, d.get("language", ""),
+                        d.get("prompt_language", "")))
     return rows
 
 
@@ -123,7 +132,8 @@ def rows_from_infer_flags(args: argparse.Namespace) -> list[Row]:
         raise EvalInputError(f"--ref-wavs has {len(refs)} entries for {len(items)} rows")
     # several prompt wavs of one item are joined in time (as bin/infer.py does): kept '|'-joined
     return [Row(it.name, it.text, "|".join(it.prompt_wavs), str(it.out_wav), it.prompt_text,
-                refs[i] if refs else None) for i, it in enumerate(items)]
+                refs[i] if refs else None, args.language, args.prompt_language or "")
+            for i, it in enumerate(items)]
 
 
 def load_wav(path: str, what: str, row: Row) -> torch.Tensor:
@@ -139,7 +149,9 @@ def load_wav(path: str, what: str, row: Row) -> torch.Tensor:
 @dataclass
 class Tools:
     judge: object
-    phonemize: object  # text -> list of symbols (the project's espeak front end)
+    phonemize: object  # (text, espeak language) -> list of symbols (the project's espeak front end)
+    language: str = "en-us"  # of a row's text when the row names none
+    prompt_language: str = ""  # of a row's prompt transcript when the row names none ("": the text's)
     embedder: object | None = None
     asr: object | None = None
     codec: object | None = None
@@ -165,28 +177,38 @@ def _score(tools: Tools, wav: torch.Tensor, ref_symbols: list[str], text: str,
     return s
 
 
-def _phonemes(tools: Tools, text: str) -> list[str]:
-    if text not in tools.cache:
-        tools.cache[text] = list(tools.phonemize(text)) if text.strip() else []
-    return tools.cache[text]
+def _phonemes(tools: Tools, text: str, language: str) -> list[str]:
+    key = (text, language)
+    if key not in tools.cache:
+        tools.cache[key] = list(tools.phonemize(text, language)) if text.strip() else []
+    return tools.cache[key]
+
+
+def row_languages(tools: Tools, row: Row) -> tuple[str, str]:
+    """(the text's language, the prompt transcript's language) of a row."""
+    language = row.language or tools.language
+    return language, row.prompt_language or tools.prompt_language or language
 
 
 def evaluate_row(tools: Tools, row: Row, references: bool = True) -> RowResult:
     missing = tools.missing_as_empty and not Path(row.out_wav).exists()
     out = torch.zeros(0) if missing else load_wav(row.out_wav, "output wav", row)
     prompt = torch.cat([load_wav(p.strip(), "prompt wav", row) for p in row.prompt_wav.split("|")])
-    ref_symbols = _phonemes(tools, row.text)
+    language, prompt_language = row_languages(tools, row)
+    ref_symbols = _phonemes(tools, row.text, language)
     if not spoken(ref_symbols):
         raise EvalInputError(f"{row.name}: text {row.text!r} has no phonemes to score")
     result = RowResult(row, _score(tools, out, ref_symbols, row.text, prompt), missing_output=missing)
     # The text's duration at the prompt's speaking rate (phonemes per second of the prompt).
-    prompt_phones = len(spoken(_phonemes(tools, row.prompt_text)))
+    prompt_symbols = _phonemes(tools, row.prompt_text, prompt_language)
+    prompt_phones = len(spoken(prompt_symbols))
     if prompt_phones:
         expected = len(spoken(ref_symbols)) * (prompt.numel() / SAMPLE_RATE) / prompt_phones
         result.duration_ratio = result.output.seconds / expected
     # The AR cap: floor(text tokens (BOS + prompt text + text + EOS) x --max-len-ratio) frames.
-    full = _phonemes(tools, f"{row.prompt_text} {row.text}".strip())
-    cap = math.floor((len(full) + 2) * tools.max_len_ratio)
+    # (prompt and text phonemized apart and joined by a word separator, as bin/infer.py does)
+    full = len(prompt_symbols) + bool(prompt_symbols) + len(ref_symbols)
+    cap = math.floor((full + 2) * tools.max_len_ratio)
     result.hit_length_cap = round(out.numel() / HOP_LENGTH) >= cap
     if references and row.ref_wav:
         ref = load_wav(row.ref_wav, "ground-truth wav", row)
@@ -217,7 +239,20 @@ def aggregate(scores: list[Scores]) -> dict:
             "rows": len(scores)}
 
 
-def summarize(results: list[RowResult]) -> dict:
+def summarize_languages(results: list[RowResult], languages: list[str]) -> dict:
+    """PER (and the other aggregates) of the rows of each text language: outputs, and the
+    ground truth where the rows have one (the judge's ceiling in that language)."""
+    out = {}
+    for language in sorted(set(languages)):
+        mine = [r for r, lang in zip(results, languages) if lang == language]
+        out[language] = {"output": aggregate([r.output for r in mine])}
+        gt = [r.ground_truth for r in mine if r.ground_truth is not None]
+        if gt:
+            out[language]["ground_truth"] = aggregate(gt)
+    return out
+
+
+def summarize(results: list[RowResult], languages: list[str] | None = None) -> dict:
     out = {"output": aggregate([r.output for r in results])}
     out["output"]["duration_ratio"] = _nanmean(r.duration_ratio for r in results)
     out["output"]["duration_ratio_ref"] = _nanmean(r.duration_ratio_ref for r in results)
@@ -229,6 +264,8 @@ def summarize(results: list[RowResult]) -> dict:
         out["ground_truth"] = aggregate(gt)
     if rs:
         out["codec_resynthesis"] = aggregate(rs)
+    if languages and len(set(languages)) > 1:  # cross-lingual or multilingual rows: PER per language
+        out["per_language"] = summarize_languages(results, languages)
     return out
 
 
@@ -257,6 +294,11 @@ def format_table(results: list[RowResult], summary: dict) -> str:
         if key in summary:
             s = summary[key]
             lines.append(f"{label:<14} | {_fmt(s['per'])} | {_fmt(s['similarity'])}      | {_fmt(s['wer'])} |")
+    if summary.get("per_language"):
+        lines += ["", "language       | rows | PER   | GT PER"]
+        for language, d in summary["per_language"].items():
+            gt = d.get("ground_truth", {}).get("per", math.nan)
+            lines.append(f"{language:<14} | {d['output']['rows']:>4} | {_fmt(d['output']['per'])} | {_fmt(gt)}")
     return "\n".join(lines)
 
 
@@ -278,11 +320,16 @@ def write_tensorboard(exp_dir: Path, summary: dict, step: int, tag: str = "eval"
 
     logdir = exp_dir / "tensorboard" / tag
     w = SummaryWriter(str(logdir))
+
+    def add(prefix: str, values: dict) -> None:  # per_language nests a level deeper
+        for k, v in values.items():
+            if isinstance(v, dict):
+                add(f"{prefix}/{k}", v)
+            elif isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)):
+                w.add_scalar(f"{prefix}/{k}", v, step)
+
     try:
-        for part, values in summary.items():
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)):
-                    w.add_scalar(f"{tag}/{part}/{k}", v, step)
+        add(tag, summary)
     finally:
         w.close()
     return logdir
@@ -318,7 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--codec", default=None, choices=["encodec", "mel-rvq"],
                    help="codec for the resynthesis reference (default: the corpus's audio_codec.json)")
     m.add_argument("--no-references", action="store_true", help="skip ground-truth and resynthesis figures")
-    m.add_argument("--language", default="en-us", help="espeak language of the texts")
+    m.add_argument("--language", default="en-us",
+                   help="espeak language of the texts (a TSV's 'language' column overrides it per row)")
+    m.add_argument("--prompt-language", default=None,
+                   help="espeak language of the prompt transcripts (default: each text's; a TSV's "
+                        "'prompt_language' column overrides it per row)")
     m.add_argument("--max-len-ratio", type=float, default=16.0, help="the --max-len-ratio bin/infer.py used")
     m.add_argument("--missing-as-empty", action="store_true",
                    help="score a missing output wav as silence (bin/infer.py writes none when the model "
@@ -360,8 +411,9 @@ def build_tools(args: argparse.Namespace, config: dict) -> tuple[Tools, list[str
                              f"(looked in {', '.join(map(str, dirs)) or 'nothing: no --manifest-dir/--checkpoint'})")
     judge = Judge.load(judge_path)
     tt = TextTokenizer(language=args.language)
-    tools = Tools(judge=judge, phonemize=lambda text: tt([text])[0], max_len_ratio=args.max_len_ratio,
-                  missing_as_empty=args.missing_as_empty)
+    tools = Tools(judge=judge, phonemize=lambda text, language: tt([text], language=language)[0],
+                  language=args.language, prompt_language=args.prompt_language or "",
+                  max_len_ratio=args.max_len_ratio, missing_as_empty=args.missing_as_empty)
     if args.speaker_model != "none":
         from valle.eval.similarity import SpeakerEmbedder, SpeakerModelUnavailable
 
@@ -413,7 +465,7 @@ def run(args: argparse.Namespace) -> dict:
         results.append(evaluate_row(tools, row, references=not args.no_references))
         if i % 10 == 0 or i == len(rows):
             logger.info("evaluated %d/%d rows (%.1f rows/s)", i, len(rows), i / max(1e-6, time.time() - t0))
-    summary = summarize(results)
+    summary = summarize(results, [row_languages(tools, r.row)[0] for r in results])
     print(format_table(results, summary))
     for n in notes:
         print(f"note: {n}")

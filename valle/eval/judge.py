@@ -255,6 +255,15 @@ def load_cut_examples(cuts_path: str | os.PathLike, limit: int | None = None):
     return out
 
 
+def per_by_language(pers: Sequence[float], cuts: Sequence) -> dict[str, float]:
+    """Mean PER per language: the espeak voice each cut's text was phonemized with."""
+    groups: dict[str, list[float]] = {}
+    for per, cut in zip(pers, cuts):
+        voice = (cut.supervisions[0].custom or {}).get("espeak_voice", "?")
+        groups.setdefault(voice, []).append(per)
+    return {voice: round(sum(v) / len(v), 4) for voice, v in sorted(groups.items())}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m valle.eval.judge", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -276,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
             pers = judge.per([w for w, _, _ in valid], [s for _, s, _ in valid])
             judge.info["valid_per"] = round(sum(pers) / len(pers), 4)
             logger.info("judge PER on %s (ground truth): %.3f", args.valid_cuts, judge.info["valid_per"])
+            by_language = per_by_language(pers, [c for _, _, c in valid])
+            if len(by_language) > 1:  # a multilingual corpus (VALL-E X): the judge's ceiling per language
+                judge.info["valid_per_by_language"] = by_language
+                logger.info("judge PER per language: %s", by_language)
     except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
