@@ -29,8 +29,10 @@ exp=exp/valle  # under egs/tiny
 data=data/tiny/tokenized  # under egs/tiny; stage 0 prepares it
 python=${PYTHON:-python}
 
-options="stage stop_stage nproc ar_epochs nar_epochs ar_max_steps nar_max_steps ar_group_size generated num_items quick codec exp data python"
+bilingual=false  # true: VALL-E X on English + Mandarin voices instead (egs/tiny/local/bilingual.sh; its flags there)
+options="stage stop_stage nproc ar_epochs nar_epochs ar_max_steps nar_max_steps ar_group_size generated num_items quick codec exp data python bilingual"
 . "$(dirname "${BASH_SOURCE[0]}")/../parse_options.sh"
+if [ "$bilingual" = true ]; then exec bash "$(dirname "${BASH_SOURCE[0]}")/local/bilingual.sh" --python "$python"; fi
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
