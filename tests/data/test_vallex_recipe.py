@@ -123,3 +123,16 @@ def test_run_sh_trains_vallex_with_two_languages(tmp_path):
     for line in launches:
         assert "--dataset vallex" in line and "--num-languages 2" in line and "--languages en-us,cmn" in line
     assert "--train-stage 1" in launches[0] and "--train-stage 2" in launches[1]
+
+
+def test_tiny_run_sh_bilingual_starts_the_bilingual_demo(tmp_path):
+    # egs/tiny/run.sh --bilingual true hands over to egs/tiny/local/bilingual.sh, whose first
+    # command synthesises the corpus in both languages; a stand-in python records it and stops
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" > {tmp_path}/first\nexit 3\n')
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(ROOT / "egs/tiny/run.sh"), "--bilingual", "true", "--python", str(fake)],
+                          env=dict(os.environ), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3
+    first = (tmp_path / "first").read_text()
+    assert first.startswith("-m valle.data.tiny synth") and "sentences_cmn.txt" in first
