@@ -32,7 +32,7 @@ import torch
 
 from tests.support.harness import clean_launch_env
 from tests.support.scenarios import TINY_MODEL
-from valle.train.preemption import EXIT_PREEMPTED_NO_CHECKPOINT, EXIT_PREEMPTED
+from valle.train.preemption import EXIT_PREEMPTED, EXIT_PREEMPTED_NO_CHECKPOINT
 
 pytestmark = [pytest.mark.multiproc]
 

@@ -57,6 +57,7 @@ class TrainConfig:
     max_quarantined_cuts: int = 100
     max_fitted_before_quarantines: int = 3
     update_retries: int = 2
+    max_unreadable_cuts: int = 100
     count_allocations: str = ""  # the sweep's dry run: write the per-step census here
     inject_fault: list[FaultSpec] = field(default_factory=list)
     inject_fault_real: bool = False
@@ -138,6 +139,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--max-fitted-before-quarantines", type=int, default=d.max_fitted_before_quarantines,
                    help="stop (exit 15) when more cuts than this failed alone although larger "
                         "cuts had trained before")
+    r.add_argument("--max-unreadable-cuts", type=int, default=d.max_unreadable_cuts,
+                   help="stop (exit 19) when more training cuts than this could not be read "
+                        "(truncated HDF5, missing file, corrupt Shar member; each is listed in "
+                        "<exp-dir>/unreadable-rank*.jsonl and skipped until then)")
     r.add_argument("--update-retries", type=int, default=d.update_retries,
                    help="local retries of an optimizer/averaging phase that ran out of memory "
                         "(it resumes where it stopped) before the rank is repaired from another")

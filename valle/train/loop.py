@@ -61,7 +61,7 @@ class EpochAccount:
     drawn: int = 0
     trained: int = 0
     quarantined: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)  # non-finite loss / dropped at epoch end
+    skipped: list[str] = field(default_factory=list)  # non-finite loss, unreadable, epoch end
     ooms: int = 0
     retries: int = 0
     steps: int = 0
@@ -78,6 +78,11 @@ class EpochAccount:
         if r.applied:
             self.loss_sum += r.loss
             self.loss_frames += r.metrics.get("ar_frames", 0.0) + r.metrics.get("nar_frames", 0.0)
+
+    def add_unreadable(self, entries: list[dict[str, str]]) -> None:
+        """Cuts drawn whose codes could not be read: drawn, and skipped."""
+        self.drawn += len(entries)
+        self.skipped += [e["cut_id"] for e in entries]
 
     @property
     def train_loss(self) -> float:
@@ -122,6 +127,7 @@ class Run:
     scale_warned: bool = False
     steps_per_epoch: int = 0  # learnt from the first full epoch, for the ETA
     resumed: bool = False
+    unreadable_total: int = 0  # cuts whose codes could not be read, all ranks, this launch
     preemption: Preemption = field(default_factory=lambda: Preemption(0.0))
 
 
@@ -239,10 +245,13 @@ def train_epochs(run: Run) -> TrainSummary:
         while True:
             with run.stepper.faults.host_work():  # data loading: host memory
                 batch = draw(batches, cfg.accumulate_grad_steps)
+                unreadable = run.data.take_unreadable()
+                note_unreadable(run, account, unreadable)
             run.scheduler.step_batch(run.step)
             with run.watchdog.step(run.step):
                 result = run.stepper.run(run.step, batch, initial_split=cfg.accumulate_grad_steps)
             account.add(result)
+            check_unreadable(run, result)
             stopping = stopping or result.stop_requested
             if stopping:
                 run.preemption.note_vote()
@@ -311,6 +320,37 @@ def preempted(run: Run, summary: TrainSummary, saved: bool) -> TrainSummary:
     summary.steps, summary.preempted, summary.preempt_checkpoint = run.step, True, saved
     summary.model_state = run.model.state_dict()
     return summary
+
+
+class UnreadableDataError(RuntimeError):
+    """More cuts than --max-unreadable-cuts could not be read: the storage, not one file."""
+
+
+def note_unreadable(run: Run, account: EpochAccount, entries: list[dict[str, str]]) -> None:
+    """Report each unreadable cut (id, file, error), log it to unreadable-rank<R>.jsonl,
+    count it as drawn and skipped; the step's vote tells every rank how many there were."""
+    run.stepper.unreadable_cuts = len(entries)
+    if not entries:
+        return
+    account.add_unreadable(entries)
+    with open(run.cfg.exp_dir / f"unreadable-rank{run.ctx.rank}.jsonl", "a") as f:
+        for entry in entries:
+            logger.warning("cut %s skipped: its codes cannot be read from %s (%s)",
+                           entry["cut_id"], entry["file"] or "?", entry["error"])
+            f.write(json.dumps({"step": run.step, **entry}) + "\n")
+
+
+def check_unreadable(run: Run, result: StepResult) -> None:
+    """Stop every rank at the same step once the run's unreadable cuts (summed by the
+    votes, so equal on every rank) pass --max-unreadable-cuts: training on whatever
+    fraction of a failing store still reads is not what the user asked for."""
+    run.unreadable_total += result.unreadable
+    if run.unreadable_total > run.cfg.max_unreadable_cuts:
+        raise UnreadableDataError(
+            f"{run.unreadable_total} cuts could not be read so far (more than "
+            f"--max-unreadable-cuts {run.cfg.max_unreadable_cuts}): the storage is failing, not "
+            f"one file. Each is listed with its file and error in {run.cfg.exp_dir}/"
+            "unreadable-rank*.jsonl; fix or restore the data and run the same command to resume.")
 
 
 def draw(batches: Iterator[Batch], accumulate: int) -> Batch | None:
@@ -672,6 +712,7 @@ EXIT_CODES = {
     "PeerFailure": 14,
     "OomNotDataError": 15,
     "StartupError": 16,
+    "UnreadableDataError": 19,
     # not failures: a preemption signal (valle/train/preemption.py)
     "Preempted": EXIT_PREEMPTED,
     "PreemptedNoCheckpoint": EXIT_PREEMPTED_NO_CHECKPOINT,
@@ -692,7 +733,7 @@ def main_from_config(cfg: TrainConfig) -> int:
     try:
         summary = train(cfg)
     except (NoHealthyRankError, DdpBackwardOomError, ConsistencyError, BatchTooLargeError,
-            OomNotDataError, StartupError) as e:
+            OomNotDataError, StartupError, UnreadableDataError) as e:
         logger.error("%s", e)
         return EXIT_CODES[type(e).__name__]
     except (FileNotFoundError, CorruptCheckpointError, CheckpointError) as e:
