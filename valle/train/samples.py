@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 SAMPLE_RATE = 24000  # valle.codec.constants: every codec here speaks 24 kHz at 75 frames/s
 FRAME_RATE = 75
 SAMPLES_DIR = "samples"  # under the run's TensorBoard dir: its own run in the TensorBoard UI
-MIN_IMAGE_SIZE = 64  # small images (8 codebooks, a few text tokens) are repeated up to this
+MIN_IMAGE_SIZE = 128  # small images (8 codebooks, a few text tokens) are repeated up to this
 MAX_ATTENTION_TEXT = 512
 
 
@@ -204,7 +204,7 @@ def mel_image(wav: torch.Tensor) -> torch.Tensor:
     """(n_mels, frames) log-mel in [0, 1], low frequencies at the bottom."""
     from valle.codec.mel import MelFrontend
 
-    return _visible(_unit(MelFrontend()(wav.float())[0].T.flip(0)))
+    return _visible(_unit(MelFrontend()(wav.float().reshape(1, -1))[0].T.flip(0)))
 
 
 def codes_image(codes: torch.Tensor) -> torch.Tensor:
@@ -275,6 +275,7 @@ class SampleWriter:
         self.codec_config, self.synthetic = codec_config, synthetic
         self.flags = decode_flags(cfg.decode)
         self.listeners: Listeners | None = None
+        self.prompt_audio: dict[str, torch.Tensor] = {}
         self.passes = 0
 
     @classmethod
@@ -378,7 +379,9 @@ class SampleWriter:
         from valle.eval.evaluate import Tools, _score
 
         tools = Tools(judge=listeners.judge, phonemize=None, embedder=listeners.embedder)
-        prompt = self._audio(item.prompt_codes) if listeners.embedder is not None else None
+        prompt = None
+        if listeners.embedder is not None:  # the same every pass: decoded once
+            prompt = self.prompt_audio.setdefault(item.name, self._audio(item.prompt_codes))
         return _score(tools, wav, item.reference, item.text, prompt)
 
     def _write_scores(self, writer: Any, scores: list, step: int) -> None:
