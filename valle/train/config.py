@@ -49,6 +49,7 @@ class TrainConfig:
     log_trained_cuts: bool = False
     # hear it train: held-out syntheses in TensorBoard at each validation (valle/train/samples.py)
     valid_samples: int = 4  # 0: off
+    valid_samples_interval: int = 0  # steps, a multiple of valid_interval (0: every validation)
     valid_samples_max_seconds: float = 10.0  # decoding cap per item (the cost bound)
     valid_samples_decode: str = ""  # bin/infer.py decoding flags ("": its defaults)
     valid_samples_codec_dir: str = ""  # "": the corpus's codec (none with --synthetic-data)
@@ -176,6 +177,9 @@ def add_sample_arguments(parser: argparse.ArgumentParser, d: TrainConfig) -> Non
     g.add_argument("--valid-samples", type=int, default=d.valid_samples,
                    help="held-out items synthesised at each --valid-interval, prompted by another "
                         "utterance of the same speaker (0: off; needs --tensorboard)")
+    g.add_argument("--valid-samples-interval", type=int, default=d.valid_samples_interval,
+                   help="steps between sampling passes, a multiple of --valid-interval (0: at "
+                        "every validation)")
     g.add_argument("--valid-samples-max-seconds", type=float, default=d.valid_samples_max_seconds,
                    help="decode at most this many seconds per item: bounds the pass's cost (its "
                         "wall time is logged; the other ranks wait for it in their next collective)")
@@ -225,6 +229,9 @@ def validate_config(cfg: TrainConfig) -> None:
             "(use bfloat16 or float32 to train on CPU)")
     if cfg.valid_samples < 0:
         bad("--valid-samples", "must be >= 0 (0: off)")
+    if cfg.valid_samples_interval < 0 or (
+            cfg.valid_samples_interval and cfg.valid_samples_interval % max(1, cfg.valid_interval)):
+        bad("--valid-samples-interval", "must be 0 (every validation) or a multiple of --valid-interval")
     if cfg.valid_samples_max_seconds <= 0:
         bad("--valid-samples-max-seconds", "must be > 0")
     if cfg.valid_samples:

@@ -456,10 +456,13 @@ class SampleWriter:
 
 # ------------------------------------------------------------------------ loop
 def write_samples(run: Any) -> None:
-    """The loop's call after each validation: rank 0 only, with TensorBoard on. Rank-local work:
+    """The loop's call after each validation: rank 0 only, with TensorBoard on, every
+    --valid-samples-interval steps. Rank-local work:
     an OOM is reported and the pass skipped; any other error is logged and training goes on."""
     cfg = run.cfg
     if cfg.valid_samples <= 0 or not run.ctx.is_main or not run.tb.enabled:
+        return
+    if cfg.valid_samples_interval and run.step % cfg.valid_samples_interval:
         return
 
     def work() -> None:
