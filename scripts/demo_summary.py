@@ -71,7 +71,7 @@ def sample_lines(exp: Path) -> list[str]:
         per = dict(_read_tensorboard_scalars(d / "samples", "valid_samples/per"))
         first, last = passes[0][0], passes[-1][0]
         trend = f"; held-out PER {fmt(per.get(first))} at step {first} -> {fmt(per.get(last))} at step {last}" if per else ""
-        lines.append(f"{label}: {len(passes)} sampling passes{trend}")
+        lines.append(f"{label}: {len(passes)} sampling pass{'es' if len(passes) > 1 else ''}{trend}")
     return lines
 
 

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
+from valle.codec.constants import CODEBOOK_SIZE, FRAME_RATE, SAMPLE_RATE
+
 logger = logging.getLogger(__name__)
 
-SAMPLE_RATE = 24000  # valle.codec.constants: every codec here speaks 24 kHz at 75 frames/s
-FRAME_RATE = 75
 SAMPLES_DIR = "samples"  # under the run's TensorBoard dir: its own run in the TensorBoard UI
 MIN_IMAGE_SIZE = 128  # small images (8 codebooks, a few text tokens) are repeated up to this
 MAX_ATTENTION_TEXT = 512
@@ -209,7 +209,7 @@ def mel_image(wav: torch.Tensor) -> torch.Tensor:
 
 def codes_image(codes: torch.Tensor) -> torch.Tensor:
     """(codebooks, frames) in [0, 1], codebook 0 at the top (no codec to hear them)."""
-    return _visible(codes.T.float().clamp(0, 1023) / 1023.0)
+    return _visible(codes.T.float().clamp(0, CODEBOOK_SIZE - 1) / (CODEBOOK_SIZE - 1))
 
 
 def attention_image(model: Any, item: HeldOutItem, output: torch.Tensor) -> torch.Tensor:
