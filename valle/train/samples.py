@@ -184,6 +184,8 @@ def choose_items(data: Any, count: int) -> list[HeldOutItem]:
     valid = getattr(data, "valid", None)
     if hasattr(valid, "cuts"):  # valle.train.data.SyntheticData
         return synthetic_items(valid.cuts, count)
+    if valid is None:  # LhotseTrainData without a validation part (said when it loaded)
+        return []
     return manifest_items(data.module, count)
 
 
@@ -283,8 +285,8 @@ class SampleWriter:
         cfg = SampleConfig.from_train_config(run.cfg)
         items = choose_items(run.data, cfg.count)
         if not items:
-            logger.warning("validation samples: no held-out item (no speaker with two validation "
-                           "utterances): none written")
+            logger.warning("validation samples: no held-out item (no validation data, or no "
+                           "speaker with two validation utterances): none written")
         synthetic = run.cfg.synthetic_data > 0
         return cls(run.model, items, cfg, Path(run.tb.log_dir) / SAMPLES_DIR, run.cfg.args, synthetic)
 
