@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 SAMPLES_DIR = "samples"  # under the run's TensorBoard dir: its own run in the TensorBoard UI
 MIN_IMAGE_SIZE = 128  # small images (8 codebooks, a few text tokens) are repeated up to this
-MAX_ATTENTION_TEXT = 512
 
 
 class DecodeFlagsError(ValueError):
@@ -234,7 +233,7 @@ def attention_image(model: Any, item: HeldOutItem, output: torch.Tensor) -> torc
     per_layer = _text_attention(model, text, lengths_to_valid(text_lens, text.shape[1]), codes0,
                                 lengths_to_valid(audio_lens, codes0.shape[1]), langs)
     probs = per_layer[-1][0][0, 0].float().cpu()  # (positions, text tokens)
-    return _visible(_unit(probs.T[:MAX_ATTENTION_TEXT].flip(0)))
+    return _visible(_unit(probs.T.flip(0)))
 
 
 # ------------------------------------------------------------------------ state
