@@ -47,6 +47,7 @@ from valle.train.resilience.memory import OomReporter, configure_allocator
 from valle.train.resilience.quarantine import OomNotDataError, Quarantine
 from valle.train.resilience.scan import BatchTooLargeError, scan_pessimistic_batches
 from valle.train.resilience.step import ResilientStep, StepConfig, StepResult
+from valle.train.samples import write_samples
 from valle.train.watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class Run:
     resumed: bool = False
     unreadable_total: int = 0  # cuts whose codes could not be read, all ranks, this launch
     preemption: Preemption = field(default_factory=lambda: Preemption(0.0))
+    samples: Any = None  # valle.train.samples.SampleWriter, made by its first pass (rank 0)
 
 
 def train(cfg: TrainConfig) -> TrainSummary:
@@ -272,6 +274,7 @@ def train_epochs(run: Run) -> TrainSummary:
                     save(run, f"checkpoint-{run.step}.pt")  # keep what we have before NaNs
             if run.step % cfg.valid_interval == 0:
                 valid_loss = validate(run)
+                write_samples(run)  # rank 0's held-out syntheses to TensorBoard (local work)
                 if valid_loss is not None and valid_loss < run.best_valid:  # same on every rank
                     run.best_valid = valid_loss
                     save_best_model(run, "valid")
