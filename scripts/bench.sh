@@ -28,6 +28,14 @@ tmp=$(mktemp)
   echo
   python scripts/bench_models.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to'
   echo
+  echo "## Preemption: steps redone, and SIGTERM to exit"
+  echo
+  echo '```'
+  echo "python scripts/bench_preemption.py"
+  echo '```'
+  echo
+  python scripts/bench_preemption.py 2>/dev/null | grep -v -e 'Gloo' -e 'connected to'
+  echo
   echo "## Tokenization throughput"
   echo
   echo '```'

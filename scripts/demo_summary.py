@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The demo's last word: the wavs, held-out PER and speaker similarity beside their ceilings,
-the TensorBoard directory, a loss-curve PNG (training and validation loss per stage), the OOM story."""
+the TensorBoard directory, a loss-curve PNG (training and validation loss per stage), the OOM story,
+and how to listen (TensorBoard's samples of training, bin/serve.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 STAGES = (("ar", "stage1", "AR (stage 1)"), ("nar", "stage2", "NAR (stage 2)"))
 
@@ -57,6 +59,22 @@ def plot(exp: Path, evaluation: dict | None) -> Path:
     return png
 
 
+def sample_lines(exp: Path) -> list[str]:
+    """What the trainer's held-out samples (valle/train/samples.py) said, per stage."""
+    from valle.train.metrics import _read_tensorboard_scalars
+
+    lines = []
+    for label, d in stage_dirs(exp):
+        passes = _read_tensorboard_scalars(d / "samples", "valid_samples/wall_seconds")
+        if not passes:
+            continue
+        per = dict(_read_tensorboard_scalars(d / "samples", "valid_samples/per"))
+        first, last = passes[0][0], passes[-1][0]
+        trend = f"; held-out PER {fmt(per.get(first))} at step {first} -> {fmt(per.get(last))} at step {last}" if per else ""
+        lines.append(f"{label}: {len(passes)} sampling pass{'es' if len(passes) > 1 else ''}{trend}")
+    return lines
+
+
 def fmt(v) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"
 
@@ -93,7 +111,12 @@ def main() -> None:
         print(f"evaluation:       {eval_path}")
     else:
         print("evaluation:       none (stage 4 did not run)")
-    print(f"TensorBoard:      tensorboard --logdir {exp}")
+    print(f"TensorBoard:      tensorboard --logdir {exp}   (listen: AUDIO and IMAGES tabs, runs "
+          "*/samples: held-out items as training went)")
+    for line in sample_lines(exp):
+        print(f"samples:          {line}")
+    print(f"listen:           python {ROOT / 'bin' / 'serve.py'} --exp-dir {exp}   (a page: any text, "
+          "any prompt, any checkpoint)")
     print(f"loss curve:       {png}")
     for e in events:
         print(f"OOM recovered:    {e['phase']} on rank {e['rank']} at step {e['step']} "

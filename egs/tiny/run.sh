@@ -7,9 +7,11 @@
 #   2 NAR stage, from the AR stage's best-validation checkpoint
 #   3 bin/infer.py: held-out sentences with held-out-voice prompts, from the best-validation checkpoint
 #   4 bin/evaluate.py: PER, speaker similarity, duration, length-cap hits, beside their ceilings
-#   5 summary (wavs, figures, TensorBoard dir, loss-curve PNG)
+#   5 summary (wavs, figures, TensorBoard dir, loss-curve PNG, how to listen)
+# Training also synthesises a few held-out dev items every --samples-interval steps (TensorBoard's
+# AUDIO and IMAGES tabs, PER and similarity by the judge: docs/training.md, "Hear it train").
 #   egs/tiny/run.sh [--stage 0] [--stop-stage 5] [--nproc 2] [--ar-epochs 8] [--nar-epochs 2] [--quick true]
-#                   [--ar-group-size 1]
+#                   [--ar-group-size 1] [--valid-samples 4] [--samples-interval 400]
 #                   [--exp exp/valle] [--data data/tiny/tokenized]
 set -euo pipefail
 
@@ -23,6 +25,8 @@ nar_max_steps=0
 ar_group_size=1  # frames of codebook 0 per AR position (VALL-E 2's grouped code modeling)
 generated=3000  # more sentences, not more epochs, is what lowered held-out PER (docs/evaluation.md)
 num_items=8
+valid_samples=4  # held-out items synthesised during training (0: none)
+samples_interval=400  # every 10th validation: a pass of 4 items took about 8 s on one CPU thread
 quick=false
 codec=auto
 exp=exp/valle  # under egs/tiny
@@ -30,7 +34,7 @@ data=data/tiny/tokenized  # under egs/tiny; stage 0 prepares it
 python=${PYTHON:-python}
 
 bilingual=false  # true: VALL-E X on English + Mandarin voices instead (egs/tiny/local/bilingual.sh; its flags there)
-options="stage stop_stage nproc ar_epochs nar_epochs ar_max_steps nar_max_steps ar_group_size generated num_items quick codec exp data python bilingual"
+options="stage stop_stage nproc ar_epochs nar_epochs ar_max_steps nar_max_steps ar_group_size generated num_items valid_samples samples_interval quick codec exp data python bilingual"
 . "$(dirname "${BASH_SOURCE[0]}")/../parse_options.sh"
 if [ "$bilingual" = true ]; then exec bash "$(dirname "${BASH_SOURCE[0]}")/local/bilingual.sh" --python "$python"; fi
 
@@ -43,7 +47,8 @@ judge_limit=224  # the natural training sentences (listed first): about 850 CTC 
 valid_interval=40
 if [ "$quick" = true ]; then  # the pipeline in a few minutes (tests): little data, short stages
   exp=exp/quick data=data/quick/tokenized generated=100 ar_epochs=1 nar_epochs=1 num_items=2
-  judge_epochs=2 judge_limit=40 valid_interval=10
+  judge_epochs=2 judge_limit=40 valid_interval=10 samples_interval=10
+  [ "$valid_samples" -le 2 ] || valid_samples=2  # a pass costs seconds: two items are enough here
 fi
 log() { echo "$(date '+%F %T') [tiny run stage $1] ${*:2}"; }
 
@@ -54,17 +59,21 @@ first_codebook_size=128
 model=(--model-name valle --decoder-dim 128 --nhead 4 --num-decoder-layers 2 --prefix-mode 1
        --dropout 0.0 --guided-attention-weight 1.0 --ar-codebook-size "$first_codebook_size"
        --ar-group-size "$ar_group_size")
-train=(--manifest-dir "$data" --dataset tiny --max-duration 16 --max-text-tokens 400
-       --num-workers 0 --device cpu --dtype float32
-       --base-lr 0.05 --warmup-steps 20 --lr-batches 200 --log-interval 20 --valid-interval "$valid_interval"
-       --save-every-n 40 --average-period 5 --collective-timeout 120 --stall-min-seconds 300)
-torchrun=("$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc")
 # Decoding (scripts/bench_quality.py reads this line): top-k 3, best of 4 samples by the model's own
 # likelihood, and no EOS before 3 frames per phoneme (an undertrained model ends rows at once).
 # On one demo checkpoint these took held-out PER from 0.874 (top-k 10) to 0.753 (docs/evaluation.md).
 # The NAR's codes: the least-squared-error code under its distribution, not its argmax (an unsure
 # NAR then adds little instead of a wrong guess): 0.813 -> 0.766 on 16 items (docs/inference.md).
 decode=(--top-k 3 --num-candidates 4 --min-len-ratio 3 --nar-decoding mmse --seed 1)
+# Hear it train: the same decoding on fixed dev items (prompted by another utterance of their
+# voice), at most 6 s each, with the judge's PER and speaker similarity, from rank 0.
+samples=(--valid-samples "$valid_samples" --valid-samples-interval "$samples_interval"
+         --valid-samples-max-seconds 6 --valid-samples-decode="${decode[*]}" --valid-judge "$data/judge.pt")
+train=(--manifest-dir "$data" --dataset tiny --max-duration 16 --max-text-tokens 400
+       --num-workers 0 --device cpu --dtype float32
+       --base-lr 0.05 --warmup-steps 20 --lr-batches 200 --log-interval 20 --valid-interval "$valid_interval"
+       --save-every-n 40 --average-period 5 --collective-timeout 120 --stall-min-seconds 300 "${samples[@]}")
+torchrun=("$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc")
 
 if [ "$stage" -le 0 ] && [ "$stop_stage" -ge 0 ]; then
   log 0 "corpus (held-out sentences and voices), codec, tokens, phoneme judge"

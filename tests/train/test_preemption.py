@@ -32,7 +32,7 @@ import torch
 
 from tests.support.harness import clean_launch_env
 from tests.support.scenarios import TINY_MODEL
-from valle.train.preemption import EXIT_PREEMPT_TIMEOUT, EXIT_PREEMPTED
+from valle.train.preemption import EXIT_PREEMPTED, EXIT_PREEMPTED_NO_CHECKPOINT
 
 pytestmark = [pytest.mark.multiproc]
 
@@ -235,7 +235,7 @@ def test_grace_shorter_than_the_step_in_flight_exits_18_and_writes_nothing(tmp_p
     assert took < 10, f"{took:.1f} s: the deadline did not cut the 30 s step short"
     assert text.count("the grace period") == 2, text[-4000:]
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)
-    assert codes and set(codes) == {str(EXIT_PREEMPT_TIMEOUT)}, text[-3000:]
+    assert codes and set(codes) == {str(EXIT_PREEMPTED_NO_CHECKPOINT)}, text[-3000:]
     # Nothing new: the periodic checkpoints of steps 2 and 4 only, no temporary file left
     # that a resume could pick.
     assert sorted(p.name for p in exp.glob("checkpoint-*.pt")) == ["checkpoint-2.pt",

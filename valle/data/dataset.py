@@ -63,6 +63,25 @@ class PromptIndex:
         return codes[: int(round(self.max_duration * FRAME_RATE))]
 
 
+def load_codes(cuts: list) -> tuple[list, list, list[dict]]:
+    """(readable cuts, their codes, the unreadable ones as {cut_id, file, error}).
+
+    A cut whose codes cannot be read (a truncated HDF5 file, a file gone, a corrupt Shar
+    member) must not end a multi-day run: it leaves the batch, and the trainer reports it
+    by id and counts it as skipped in the epoch summary."""
+    readable, features, unreadable = [], [], []
+    for cut in cuts:
+        try:
+            features.append(cut.load_features())
+            readable.append(cut)
+        except Exception as e:  # noqa: BLE001 - whatever the storage raised, said per cut
+            storage = getattr(cut, "features", None)
+            unreadable.append({"cut_id": cut.id,
+                               "file": str(getattr(storage, "storage_path", "") or ""),
+                               "error": f"{type(e).__name__}: {e}"[:300]})
+    return readable, features, unreadable
+
+
 class SpeechSynthesisDataset(torch.utils.data.Dataset):
     """Takes a CutSet (one batch drawn by a lhotse sampler) and returns the batch dict.
 
@@ -85,14 +104,10 @@ class SpeechSynthesisDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, cuts) -> dict:
         cuts = cuts.sort_by_duration(ascending=False) if hasattr(cuts, "sort_by_duration") else cuts
-        cuts = list(cuts)
+        cuts, features, unreadable = load_codes(list(cuts))
+        if not cuts:
+            return {"cut_ids": [], "unreadable": unreadable}
         ids = [c.id for c in cuts]
-        features = []
-        for c in cuts:
-            try:
-                features.append(c.load_features())
-            except Exception as e:
-                raise RuntimeError(f"cut {c.id}: cannot load its EnCodec codes: {e}") from e
         audio, audio_lens = collate_audio_features(features)
         texts = [cut_text_symbols(c) for c in cuts]
         prompt_sources = [self.prompt_index.choose(c) for c in cuts] if self.prompt_index else None
@@ -111,6 +126,8 @@ class SpeechSynthesisDataset(torch.utils.data.Dataset):
         if self.prompt_index is not None:
             prompts = [self._prompt_codes(src, feats) for src, feats in zip(prompt_sources, features)]
             batch["prompt_features"], batch["prompt_features_lens"] = collate_audio_features(prompts)
+        if unreadable:
+            batch["unreadable"] = unreadable  # the trainer counts, reports and skips them
         return batch
 
     def _prompt_codes(self, source: _PromptSource | None, own_codes):

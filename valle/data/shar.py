@@ -30,19 +30,38 @@ class SharError(FileNotFoundError):
 
 
 def find_shards(shar_dirs: str) -> list[dict[str, str]]:
-    """``[{"cuts": path, "features": path}, ...]`` from comma-separated Shar directories."""
+    """``[{"cuts": path, "features": path}, ...]`` from comma-separated Shar directories.
+
+    A shard missing one of its two files, or a gap in the shard numbers (a whole shard
+    gone), is reported by name and left out: the rest trains. No usable shard at all is
+    an error."""
     shards = []
     for d in [Path(x) for x in str(shar_dirs).split(",") if x.strip()]:
         if not d.is_dir():
             raise SharError(f"--shar-dir {d}: no such directory")
-        cuts = sorted(p for p in d.iterdir() if p.name.startswith("cuts.") and ".jsonl" in p.name)
-        feats = sorted(p for p in d.iterdir() if p.name.startswith("features.") and ".tar" in p.name)
+        cuts = _by_index(d, "cuts.", ".jsonl")
+        feats = _by_index(d, "features.", ".tar")
         if not cuts:
             raise SharError(f"--shar-dir {d}: no cuts.*.jsonl.gz shards (export with bin/tokenizer.py --shar-dir)")
-        if len(cuts) != len(feats):
-            raise SharError(f"--shar-dir {d}: {len(cuts)} cuts shards but {len(feats)} features shards")
-        shards += [{"cuts": str(c), "features": str(f)} for c, f in zip(cuts, feats)]
+        for index in sorted(set(range(max(cuts | feats) + 1)) - (cuts.keys() & feats.keys())):
+            have = cuts.get(index) or feats.get(index)
+            logger.warning("--shar-dir %s: shard %06d %s: left out, the other shards train",
+                           d, index, f"has {Path(have).name} but not its "
+                           f"{'features' if index in cuts else 'cuts'} file" if have else "is missing")
+        shards += [{"cuts": cuts[i], "features": feats[i]} for i in sorted(cuts.keys() & feats.keys())]
+    if not shards:
+        raise SharError(f"--shar-dir {shar_dirs}: no shard has both its cuts and features files")
     return shards
+
+
+def _by_index(directory: Path, prefix: str, kind: str) -> dict[int, str]:
+    """{shard number: path} of the files named PREFIX<number>KIND... in `directory`."""
+    found = {}
+    for p in directory.iterdir():
+        number = p.name[len(prefix):].split(".", 1)[0]
+        if p.name.startswith(prefix) and kind in p.name and number.isdigit():
+            found[int(number)] = str(p)
+    return found
 
 
 class SharTrainSet(torch.utils.data.IterableDataset):

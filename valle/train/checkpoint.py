@@ -143,7 +143,15 @@ def save_checkpoint(path: str | os.PathLike, payload: Mapping[str, Any]) -> Path
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+            writer = _WriteErrors(f)
+            try:
+                torch.save(payload, writer)
+            except RuntimeError:
+                # torch's zip writer turns a failed write (ENOSPC, EIO, EFBIG) into
+                # "unexpected pos ...": raise what the file system said instead.
+                if writer.error is not None:
+                    raise writer.error from None
+                raise
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -152,6 +160,24 @@ def save_checkpoint(path: str | os.PathLike, payload: Mapping[str, Any]) -> Path
         raise
     _fsync_dir(path.parent)
     return path
+
+
+class _WriteErrors:
+    """A file for torch.save that remembers the first OSError of its writes."""
+
+    def __init__(self, f):
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def __getattr__(self, name: str):  # flush, truncate, ...: the file's own
+        return getattr(self._f, name)
 
 
 def load_checkpoint(
@@ -205,24 +231,32 @@ def list_checkpoints(exp_dir: str | os.PathLike) -> list[Path]:
     )
 
 
-def find_latest_checkpoint(
-    exp_dir: str | os.PathLike, map_location: Any = "cpu", prefer_stage: int | None = None
-) -> tuple[Path, dict[str, Any]] | None:
-    """The newest valid checkpoint in ``exp_dir`` and its payload, or None.
-
-    Newest means the largest payload step, then epoch (then checkpoint-* over
-    epoch-* at a tie, then the later modification time). An unreadable or
-    truncated file is skipped with a warning and the one before it is used.
-    """
+def readable_checkpoints(
+    exp_dir: str | os.PathLike, prefer_stage: int | None = None, pattern: re.Pattern | None = None
+) -> list[Path]:
+    """The readable checkpoints in ``exp_dir``, newest first (optionally only names matching
+    ``pattern``). Newest means the largest payload step, then epoch (then checkpoint-* over
+    epoch-* at a tie, then the later modification time). An unreadable or truncated file is
+    left out with a warning. Reads headers only (mmap)."""
     candidates: list[tuple[tuple, Path]] = []
     for path in list_checkpoints(exp_dir):
+        if pattern is not None and not pattern.match(path.name):
+            continue
         order = _peek_order(path, prefer_stage)
         if order is None:
             log.warning("Checkpoint %s is unreadable (truncated or corrupt); skipping it", path)
             continue
         is_step_ckpt = 1 if _CHECKPOINT_RE.match(path.name) else 0
         candidates.append(((*order, is_step_ckpt, path.stat().st_mtime), path))
-    for _, path in sorted(candidates, key=lambda c: c[0], reverse=True):
+    return [path for _, path in sorted(candidates, key=lambda c: c[0], reverse=True)]
+
+
+def find_latest_checkpoint(
+    exp_dir: str | os.PathLike, map_location: Any = "cpu", prefer_stage: int | None = None
+) -> tuple[Path, dict[str, Any]] | None:
+    """The newest valid checkpoint in ``exp_dir`` and its payload, or None (order:
+    ``readable_checkpoints``; one that fails to load falls back to the one before)."""
+    for path in readable_checkpoints(exp_dir, prefer_stage):
         try:
             return path, load_checkpoint(path, map_location=map_location)
         except CorruptCheckpointError as e:
@@ -231,22 +265,18 @@ def find_latest_checkpoint(
 
 
 def remove_old_checkpoints(exp_dir: str | os.PathLike, keep_last_k: int) -> list[Path]:
-    """Delete all but the ``keep_last_k`` highest-numbered ``checkpoint-<n>.pt``.
+    """Delete the readable ``checkpoint-<n>.pt`` older than the ``keep_last_k`` newest
+    readable ones.
 
-    ``keep_last_k <= 0`` keeps everything. epoch-* and best-* are never
-    touched. Returns the removed paths.
+    Only readable files count as kept, so a truncated or corrupt newest file never
+    costs the last good one; unreadable files are left for the user to inspect.
+    ``keep_last_k <= 0`` keeps everything. epoch-* and best-* are never touched.
+    Returns the removed paths.
     """
     if keep_last_k <= 0:
         return []
-    exp_dir = Path(exp_dir)
-    numbered = []
-    for p in exp_dir.glob("checkpoint-*.pt"):
-        m = _CHECKPOINT_RE.match(p.name)
-        if m:
-            numbered.append((int(m.group(1)), p))
-    numbered.sort()
     removed = []
-    for _, p in numbered[: max(len(numbered) - keep_last_k, 0)]:
+    for p in readable_checkpoints(exp_dir, pattern=_CHECKPOINT_RE)[keep_last_k:]:
         try:
             p.unlink()
             removed.append(p)

@@ -47,6 +47,13 @@ class TrainConfig:
     log_interval: int = 10
     tensorboard: bool = True
     log_trained_cuts: bool = False
+    # hear it train: held-out syntheses in TensorBoard at each validation (valle/train/samples.py)
+    valid_samples: int = 4  # 0: off
+    valid_samples_interval: int = 0  # steps, a multiple of valid_interval (0: every validation)
+    valid_samples_max_seconds: float = 10.0  # decoding cap per item (the cost bound)
+    valid_samples_decode: str = ""  # bin/infer.py decoding flags ("": its defaults)
+    valid_samples_codec_dir: str = ""  # "": the corpus's codec (none with --synthetic-data)
+    valid_judge: str = ""  # phoneme judge (judge.pt): held-out PER and speaker similarity
     # resilience
     grad_sync: str = "overlap"
     bucket_cap_mb: float = 25.0
@@ -57,6 +64,7 @@ class TrainConfig:
     max_quarantined_cuts: int = 100
     max_fitted_before_quarantines: int = 3
     update_retries: int = 2
+    max_unreadable_cuts: int = 100
     count_allocations: str = ""  # the sweep's dry run: write the per-step census here
     inject_fault: list[FaultSpec] = field(default_factory=list)
     inject_fault_real: bool = False
@@ -119,6 +127,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard", type=str2bool, default=d.tensorboard)
     g.add_argument("--log-trained-cuts", type=str2bool, default=d.log_trained_cuts,
                    help="append each step's cut ids to <exp-dir>/trained-cuts-rank<R>.tsv")
+    add_sample_arguments(parser, d)
 
     r = parser.add_argument_group("resilience")
     r.add_argument("--grad-sync", default=d.grad_sync, choices=SYNC_MODES)
@@ -138,6 +147,10 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--max-fitted-before-quarantines", type=int, default=d.max_fitted_before_quarantines,
                    help="stop (exit 15) when more cuts than this failed alone although larger "
                         "cuts had trained before")
+    r.add_argument("--max-unreadable-cuts", type=int, default=d.max_unreadable_cuts,
+                   help="stop (exit 19) when more training cuts than this could not be read "
+                        "(truncated HDF5, missing file, corrupt Shar member; each is listed in "
+                        "<exp-dir>/unreadable-rank*.jsonl and skipped until then)")
     r.add_argument("--update-retries", type=int, default=d.update_retries,
                    help="local retries of an optimizer/averaging phase that ran out of memory "
                         "(it resumes where it stopped) before the rank is repaired from another")
@@ -160,6 +173,31 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                    help="train on N synthetic cuts instead of --manifest-dir (checks, benchmarks)")
     s.add_argument("--synthetic-batch-size", type=int, default=d.synthetic_batch_size)
     s.add_argument("--synthetic-partition", default=d.synthetic_partition, choices=("rows", "batches"))
+
+
+def add_sample_arguments(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
+    """Hear it train (docs/training.md): rank 0 synthesises fixed held-out items at each
+    validation and writes audio, mel/attention images and scores to TensorBoard."""
+    g = parser.add_argument_group("validation samples")
+    g.add_argument("--valid-samples", type=int, default=d.valid_samples,
+                   help="held-out items synthesised at each --valid-interval, prompted by another "
+                        "utterance of the same speaker (0: off; needs --tensorboard)")
+    g.add_argument("--valid-samples-interval", type=int, default=d.valid_samples_interval,
+                   help="steps between sampling passes, a multiple of --valid-interval (0: at "
+                        "every validation)")
+    g.add_argument("--valid-samples-max-seconds", type=float, default=d.valid_samples_max_seconds,
+                   help="decode at most this many seconds per item: bounds the pass's cost (its "
+                        "wall time is logged; the other ranks wait for it in their next collective)")
+    g.add_argument("--valid-samples-decode", default=d.valid_samples_decode,
+                   help="bin/infer.py decoding flags in one string, e.g. '--top-k 3 --num-candidates "
+                        "4 --nar-decoding mmse --seed 1' (default: bin/infer.py's defaults)")
+    g.add_argument("--valid-samples-codec-dir", default=d.valid_samples_codec_dir,
+                   help="directory holding the codec (audio_codec.json, mel_rvq.pt) that turns codes "
+                        "into audio; default: the corpus's (with --synthetic-data: none, the codes "
+                        "are shown as images)")
+    g.add_argument("--valid-judge", default=d.valid_judge,
+                   help="phoneme judge (e.g. {manifest-dir}/judge.pt): the samples' held-out PER and "
+                        "speaker similarity as TensorBoard scalars (default: not measured)")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -194,6 +232,20 @@ def validate_config(cfg: TrainConfig) -> None:
         logger.warning(
             "--dtype float16 on CPU: slow, meant for testing the GradScaler path "
             "(use bfloat16 or float32 to train on CPU)")
+    if cfg.valid_samples < 0:
+        bad("--valid-samples", "must be >= 0 (0: off)")
+    if cfg.valid_samples_interval < 0 or (
+            cfg.valid_samples_interval and cfg.valid_samples_interval % max(1, cfg.valid_interval)):
+        bad("--valid-samples-interval", "must be 0 (every validation) or a multiple of --valid-interval")
+    if cfg.valid_samples_max_seconds <= 0:
+        bad("--valid-samples-max-seconds", "must be > 0")
+    if cfg.valid_samples:
+        from valle.train.samples import DecodeFlagsError, decode_flags
+
+        try:
+            decode_flags(cfg.valid_samples_decode)
+        except DecodeFlagsError as e:
+            bad("--valid-samples-decode", str(e))
     if cfg.save_every_n < 1 or cfg.valid_interval < 1 or cfg.log_interval < 1:
         bad("--save-every-n/--valid-interval/--log-interval", "must be >= 1")
     for spec in cfg.inject_fault:

@@ -23,6 +23,7 @@ class TrainData(Protocol):
     def state_dict(self, ctx: DistContext, next_epoch: bool = False) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any], ctx: DistContext) -> None: ...
     def steps_hint(self, num_epochs: int) -> int | None: ...
+    def take_unreadable(self) -> list[dict[str, str]]: ...
 
 
 class SyntheticData:
@@ -63,6 +64,9 @@ class SyntheticData:
 
     def steps_hint(self, num_epochs: int) -> int | None:
         return len(self.sampler) * num_epochs
+
+    def take_unreadable(self) -> list[dict[str, str]]:
+        return []  # generated in memory: nothing to fail reading
 
 
 def build_train_data(cfg: TrainConfig, ctx: DistContext, ar_codebook_size: int = 1024) -> TrainData:

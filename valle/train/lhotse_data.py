@@ -50,6 +50,7 @@ class LhotseTrainData:
             cfg.args["languages"] = languages
             logger.info("languages (id order): %s", ", ".join(languages))
         self.train: ResumableLoader = self.module.train_dataloader(ctx.rank, ctx.world_size)
+        self._unreadable: list[dict[str, str]] = []
         self.valid: ManifestLoader | None = None
         try:
             self.valid = self.module.valid_dataloader(ctx.rank, ctx.world_size)
@@ -63,10 +64,30 @@ class LhotseTrainData:
 
     def train_batches(self, epoch: int) -> Iterator[Batch]:
         self.train.set_epoch(epoch)
-        return iter(self.train)
+        return self._readable(iter(self.train), self._unreadable)
 
     def valid_batches(self) -> Iterator[Batch]:
-        return iter(self.valid) if self.valid is not None else iter(())
+        unreadable: list[dict[str, str]] = []
+        yield from self._readable(iter(self.valid) if self.valid is not None else iter(()),
+                                  unreadable)
+        for entry in unreadable:  # validation: said, not counted in the epoch's cuts
+            logger.warning("validation cut %s skipped: its codes cannot be read from %s (%s)",
+                           entry["cut_id"], entry["file"] or "?", entry["error"])
+
+    @staticmethod
+    def _readable(batches: Iterator[Batch], unreadable: list) -> Iterator[Batch]:
+        """The batches without the cuts whose codes could not be read (collected in
+        `unreadable`); a batch left with no cut is not yielded at all."""
+        for batch in batches:
+            unreadable += batch.pop("unreadable", [])
+            if batch["cut_ids"]:
+                yield batch
+
+    def take_unreadable(self) -> list[dict[str, str]]:
+        """The training cuts found unreadable since the last call (the loop counts them)."""
+        taken = list(self._unreadable)
+        self._unreadable.clear()  # in place: the batch iterator appends to this list
+        return taken
 
     def pessimistic_batches(self) -> dict[str, Batch]:
         """One pass over this rank's batches (metadata only), the worst per criterion."""

@@ -7,9 +7,12 @@ in valle.train.resilience.step; this file holds no OOM handling of its own.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
+import signal
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -26,6 +29,7 @@ from valle.train.checkpoint import (
     find_latest_checkpoint,
     load_checkpoint,
     make_payload,
+    readable_checkpoints,
     remove_old_checkpoints,
     save_best,
     save_checkpoint,
@@ -35,7 +39,7 @@ from valle.train.data import TrainData, build_train_data
 from valle.train.dist import DistContext, init_distributed, shutdown
 from valle.train.metrics import MetricsTracker, TensorBoardLogger, ThroughputMeter, setup_logging
 from valle.train.optim import build_optimizer, build_scheduler
-from valle.train.preemption import EXIT_PREEMPT_TIMEOUT, EXIT_PREEMPTED, Preemption
+from valle.train.preemption import EXIT_PREEMPTED, EXIT_PREEMPTED_NO_CHECKPOINT, Preemption
 from valle.train.resilience.channel import VOTE_SLOTS, ControlChannel
 from valle.train.resilience.faults import FaultInjector
 from valle.train.resilience.gradsync import build_grad_sync
@@ -43,6 +47,7 @@ from valle.train.resilience.memory import OomReporter, configure_allocator
 from valle.train.resilience.quarantine import OomNotDataError, Quarantine
 from valle.train.resilience.scan import BatchTooLargeError, scan_pessimistic_batches
 from valle.train.resilience.step import ResilientStep, StepConfig, StepResult
+from valle.train.samples import write_samples
 from valle.train.watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
@@ -57,7 +62,7 @@ class EpochAccount:
     drawn: int = 0
     trained: int = 0
     quarantined: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)  # non-finite loss / dropped at epoch end
+    skipped: list[str] = field(default_factory=list)  # non-finite loss, unreadable, epoch end
     ooms: int = 0
     retries: int = 0
     steps: int = 0
@@ -75,6 +80,11 @@ class EpochAccount:
             self.loss_sum += r.loss
             self.loss_frames += r.metrics.get("ar_frames", 0.0) + r.metrics.get("nar_frames", 0.0)
 
+    def add_unreadable(self, entries: list[dict[str, str]]) -> None:
+        """Cuts drawn whose codes could not be read: drawn, and skipped."""
+        self.drawn += len(entries)
+        self.skipped += [e["cut_id"] for e in entries]
+
     @property
     def train_loss(self) -> float:
         return self.loss_sum / self.loss_frames if self.loss_frames else math.inf
@@ -87,7 +97,8 @@ class TrainSummary:
     fingerprints: dict[str, int] = field(default_factory=dict)
     final_loss: float = float("nan")
     unfired_faults: list[str] = field(default_factory=list)  # --inject-fault specs that never fired here
-    preempted: bool = False  # stopped by a preemption signal after a checkpoint (exit 17)
+    preempted: bool = False  # stopped by a preemption signal (exit 17, or 18 without checkpoint)
+    preempt_checkpoint: bool = False  # ... and its checkpoint was written
     model_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # not in the JSON
 
     def to_json(self) -> dict[str, Any]:
@@ -117,7 +128,9 @@ class Run:
     scale_warned: bool = False
     steps_per_epoch: int = 0  # learnt from the first full epoch, for the ETA
     resumed: bool = False
+    unreadable_total: int = 0  # cuts whose codes could not be read, all ranks, this launch
     preemption: Preemption = field(default_factory=lambda: Preemption(0.0))
+    samples: Any = None  # valle.train.samples.SampleWriter, made by its first pass (rank 0)
 
 
 def train(cfg: TrainConfig) -> TrainSummary:
@@ -134,6 +147,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
     # Before set-up: a signal while the model loads must not kill the process either.
     preemption = Preemption(cfg.preempt_grace_s, ctx.rank)
     preemption.install()
+    ignore_file_size_signal()
     try:
         with faults.phase_scope("startup"):
             run = build_run_agreed(cfg, ctx, faults)
@@ -163,6 +177,13 @@ def control_channel(ctx: DistContext) -> ControlChannel:
 def fault_injector(cfg: TrainConfig, ctx: DistContext) -> FaultInjector:
     return FaultInjector(cfg.inject_fault, ctx.rank, real=cfg.inject_fault_real,
                          stall_seconds=cfg.stall_seconds)
+
+
+def ignore_file_size_signal() -> None:
+    """A file size limit (ulimit -f, RLIMIT_FSIZE) then fails a checkpoint write with
+    EFBIG, which save() reports and survives, instead of SIGXFSZ killing the process."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
 class StartupError(RuntimeError):
@@ -226,10 +247,13 @@ def train_epochs(run: Run) -> TrainSummary:
         while True:
             with run.stepper.faults.host_work():  # data loading: host memory
                 batch = draw(batches, cfg.accumulate_grad_steps)
+                unreadable = run.data.take_unreadable()
+                note_unreadable(run, account, unreadable)
             run.scheduler.step_batch(run.step)
             with run.watchdog.step(run.step):
                 result = run.stepper.run(run.step, batch, initial_split=cfg.accumulate_grad_steps)
             account.add(result)
+            check_unreadable(run, result)
             stopping = stopping or result.stop_requested
             if stopping:
                 run.preemption.note_vote()
@@ -250,6 +274,7 @@ def train_epochs(run: Run) -> TrainSummary:
                     save(run, f"checkpoint-{run.step}.pt")  # keep what we have before NaNs
             if run.step % cfg.valid_interval == 0:
                 valid_loss = validate(run)
+                write_samples(run)  # rank 0's held-out syntheses to TensorBoard (local work)
                 if valid_loss is not None and valid_loss < run.best_valid:  # same on every rank
                     run.best_valid = valid_loss
                     save_best_model(run, "valid")
@@ -260,7 +285,7 @@ def train_epochs(run: Run) -> TrainSummary:
             if cfg.max_steps and run.step >= cfg.max_steps:
                 break
         if stopping and not result.all_done:
-            return preempted(run, summary, account)
+            return preempted(run, summary, save(run, f"checkpoint-{run.step}.pt"))
         run.scheduler.step_epoch(epoch)
         run.steps_per_epoch = run.steps_per_epoch or account.steps
         summary.epochs.append(close_epoch(run, epoch, account))
@@ -270,9 +295,9 @@ def train_epochs(run: Run) -> TrainSummary:
             save_best_model(run, "train")
         if cfg.max_steps and run.step >= cfg.max_steps:
             break
-        save(run, f"epoch-{epoch}.pt", next_epoch=True)
+        saved = save(run, f"epoch-{epoch}.pt", next_epoch=True)
         if stopping:  # the epoch's own checkpoint is the one to resume from
-            return preempted(run, summary, account=None)
+            return preempted(run, summary, saved)
     run.stepper.flush()
     logger.info("done: %d steps, last logged loss %.4f; checkpoints, logs and TensorBoard in %s",
                 run.step, summary.final_loss, run.cfg.exp_dir)
@@ -283,17 +308,52 @@ def train_epochs(run: Run) -> TrainSummary:
     return summary
 
 
-def preempted(run: Run, summary: TrainSummary, account: EpochAccount | None) -> TrainSummary:
-    """Stop at this step boundary: one checkpoint (unless the epoch's was just written),
-    then the caller exits with EXIT_PREEMPTED. The epoch is not closed: its summary is
-    written by the resumed run, which continues it from the sampler's position."""
-    if account is not None:
-        save(run, f"checkpoint-{run.step}.pt")
-    logger.warning("preempted: stopped after step %d with a checkpoint; run the same command "
-                   "to resume (exit code %d)", run.step, EXIT_PREEMPTED)
-    summary.steps, summary.preempted = run.step, True
+def preempted(run: Run, summary: TrainSummary, saved: bool) -> TrainSummary:
+    """Stop at this step boundary, after its checkpoint (`saved`: written on rank 0, as
+    every rank agreed); the caller exits with EXIT_PREEMPTED, or EXIT_PREEMPTED_NO_CHECKPOINT
+    if the write failed. The epoch is not closed: the resumed run continues it from the
+    sampler's position and writes its summary."""
+    if saved:
+        logger.warning("preempted: stopped after step %d with a checkpoint; run the same "
+                       "command to resume (exit code %d)", run.step, EXIT_PREEMPTED)
+    else:
+        logger.error("preempted: stopped after step %d but its checkpoint could not be written; "
+                     "the same command resumes from the newest good checkpoint (exit code %d)",
+                     run.step, EXIT_PREEMPTED_NO_CHECKPOINT)
+    summary.steps, summary.preempted, summary.preempt_checkpoint = run.step, True, saved
     summary.model_state = run.model.state_dict()
     return summary
+
+
+class UnreadableDataError(RuntimeError):
+    """More cuts than --max-unreadable-cuts could not be read: the storage, not one file."""
+
+
+def note_unreadable(run: Run, account: EpochAccount, entries: list[dict[str, str]]) -> None:
+    """Report each unreadable cut (id, file, error), log it to unreadable-rank<R>.jsonl,
+    count it as drawn and skipped; the step's vote tells every rank how many there were."""
+    run.stepper.unreadable_cuts = len(entries)
+    if not entries:
+        return
+    account.add_unreadable(entries)
+    with open(run.cfg.exp_dir / f"unreadable-rank{run.ctx.rank}.jsonl", "a") as f:
+        for entry in entries:
+            logger.warning("cut %s skipped: its codes cannot be read from %s (%s)",
+                           entry["cut_id"], entry["file"] or "?", entry["error"])
+            f.write(json.dumps({"step": run.step, **entry}) + "\n")
+
+
+def check_unreadable(run: Run, result: StepResult) -> None:
+    """Stop every rank at the same step once the run's unreadable cuts (summed by the
+    votes, so equal on every rank) pass --max-unreadable-cuts: training on whatever
+    fraction of a failing store still reads is not what the user asked for."""
+    run.unreadable_total += result.unreadable
+    if run.unreadable_total > run.cfg.max_unreadable_cuts:
+        raise UnreadableDataError(
+            f"{run.unreadable_total} cuts could not be read so far (more than "
+            f"--max-unreadable-cuts {run.cfg.max_unreadable_cuts}): the storage is failing, not "
+            f"one file. Each is listed with its file and error in {run.cfg.exp_dir}/"
+            "unreadable-rank*.jsonl; fix or restore the data and run the same command to resume.")
 
 
 def draw(batches: Iterator[Batch], accumulate: int) -> Batch | None:
@@ -444,18 +504,34 @@ def restore(run: Run, payload: dict) -> list[str]:
     return dropped
 
 
-def save(run: Run, name: str, next_epoch: bool = False) -> None:
-    """Checkpoint on rank 0 (every rank's sampler position included).
+def save(run: Run, name: str, next_epoch: bool = False) -> bool:
+    """Checkpoint on rank 0 (every rank's sampler position included); True on every rank
+    if it was written.
 
-    The collectives (repair, sampler positions) go through the control channel; the
-    write itself is rank 0's local work: an OOM there (the averaged model's copy) frees
-    memory and retries once, and if it still fails the run goes on without this file
-    (said in the log) - the other ranks' path is the same either way."""
+    The collectives (repair, sampler positions, the outcome) go through the control
+    channel; the write itself is rank 0's local work. An OOM there (the averaged model's
+    copy) frees memory and retries once; a storage error (disk full, I/O error, read-only
+    directory, file size limit) is reported with the path. Either way the run goes on
+    without this file - the older checkpoints are untouched, the next save tries again -
+    and every rank learns the outcome (a preempted run exits accordingly)."""
     run.stepper.flush()  # repair damaged state first: what we save is what every rank holds
     with run.stepper.faults.phase_scope("checkpoint"):
         sampler = run.data.state_dict(run.ctx, next_epoch=next_epoch)
-    if not run.ctx.is_main:
-        return
+    path = run.cfg.exp_dir / name
+    written = not run.ctx.is_main or write_checkpoint(run, path, sampler, next_epoch)
+    with run.stepper.faults.phase_scope("checkpoint"):
+        written = run.stepper.reduce_counts([float(not written)])[0] == 0
+    if not written:
+        newest = next(iter(readable_checkpoints(run.cfg.exp_dir)), None)
+        logger.error("checkpoint %s was not written (see rank 0's log); training goes on, the "
+                     "next save tries again; the newest good checkpoint is %s", path, newest)
+    elif run.ctx.is_main and name.startswith("checkpoint-"):
+        remove_old_checkpoints(run.cfg.exp_dir, run.cfg.keep_last_k)
+    return written
+
+
+def write_checkpoint(run: Run, path: Path, sampler: dict, next_epoch: bool) -> bool:
+    """Rank 0's write of a checkpoint; False (reported) on an OOM or a storage error."""
 
     def write() -> None:
         scaler = active_scaler(run)
@@ -469,10 +545,21 @@ def save(run: Run, name: str, next_epoch: bool = False) -> None:
             batch_in_epoch=0 if next_epoch else sampler.get("batch_in_epoch", 0),
             train_stage=run.cfg.train_stage, config=run.cfg.args, quarantine=run.quarantine.state(),
         )
-        logger.info("saved %s", save_checkpoint(run.cfg.exp_dir / name, payload))
+        run.stepper.faults.maybe_fail_save(path)
+        logger.info("saved %s", save_checkpoint(path, payload))
 
-    if run.stepper.local("checkpoint", write) and name.startswith("checkpoint-"):
-        remove_old_checkpoints(run.cfg.exp_dir, run.cfg.keep_last_k)
+    try:
+        return run.stepper.local("checkpoint", write)
+    except OSError as exc:
+        logger.error("could not write checkpoint %s: %s", path, storage_error(exc))
+        return False
+
+
+def storage_error(exc: OSError) -> str:
+    """An OSError as the user needs it: errno name and message, and the file."""
+    name = errno.errorcode.get(exc.errno, "") if exc.errno else ""
+    where = f" ({exc.filename})" if exc.filename else ""
+    return f"{name + ': ' if name else ''}{exc.strerror or exc}{where}"
 
 
 def averaged_state(run: Run) -> dict[str, torch.Tensor] | None:
@@ -628,9 +715,10 @@ EXIT_CODES = {
     "PeerFailure": 14,
     "OomNotDataError": 15,
     "StartupError": 16,
+    "UnreadableDataError": 19,
     # not failures: a preemption signal (valle/train/preemption.py)
     "Preempted": EXIT_PREEMPTED,
-    "PreemptGraceExpired": EXIT_PREEMPT_TIMEOUT,
+    "PreemptedNoCheckpoint": EXIT_PREEMPTED_NO_CHECKPOINT,
 }
 _PEER_FAILURE_MARKERS = ("Timed out", "timed out", "Connection reset", "Connection closed",
                          "pair closure", "NCCL communicator was aborted")
@@ -648,7 +736,7 @@ def main_from_config(cfg: TrainConfig) -> int:
     try:
         summary = train(cfg)
     except (NoHealthyRankError, DdpBackwardOomError, ConsistencyError, BatchTooLargeError,
-            OomNotDataError, StartupError) as e:
+            OomNotDataError, StartupError, UnreadableDataError) as e:
         logger.error("%s", e)
         return EXIT_CODES[type(e).__name__]
     except (FileNotFoundError, CorruptCheckpointError, CheckpointError) as e:
@@ -664,7 +752,9 @@ def main_from_config(cfg: TrainConfig) -> int:
                      cfg.collective_timeout, str(e).splitlines()[0])
         return EXIT_CODES["PeerFailure"]
     shutdown()  # success only: after a peer failure destroying the group can block
-    return EXIT_PREEMPTED if summary.preempted else 0
+    if summary.preempted:
+        return EXIT_PREEMPTED if summary.preempt_checkpoint else EXIT_PREEMPTED_NO_CHECKPOINT
+    return 0
 
 
 __all__ = ["train", "TrainSummary", "main_from_config", "Run", "EpochAccount", "EXIT_CODES"]

@@ -11,7 +11,7 @@ with EXIT_PREEMPTED. Requeuing the same command resumes from it, no step redone.
 The grace budget (`--preempt-grace-s`) is a deadline, armed at the signal (or, on a
 rank that was not signalled, when its vote says so): a step or a validation that
 cannot end in time must not leave a half-written file behind, so at the deadline
-the process exits with EXIT_PREEMPT_TIMEOUT without writing anything; every
+the process exits with EXIT_PREEMPTED_NO_CHECKPOINT without writing anything; every
 checkpoint write is a rename of a complete file, so the last one stays the newest
 valid checkpoint.
 """
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 # Exit codes (docs/training.md), after the failure codes 10-16 of valle.train.loop (75 is
 # the stall watchdog's).
 EXIT_PREEMPTED = 17  # stopped at a step boundary, checkpoint written: requeue resumes it
-EXIT_PREEMPT_TIMEOUT = 18  # the grace ran out first: requeue resumes from the last checkpoint
+EXIT_PREEMPTED_NO_CHECKPOINT = 18  # grace ran out or the write failed: requeue resumes from the last one
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -100,11 +100,11 @@ class Preemption:
         # is a temporary file that is never picked at resume.
         logger.error("preemption: the grace period (%.0f s after %s) ran out before the "
                      "checkpoint was written; exiting with %d, requeue resumes from the last "
-                     "checkpoint", time.monotonic() - armed_at, why, EXIT_PREEMPT_TIMEOUT)
+                     "checkpoint", time.monotonic() - armed_at, why, EXIT_PREEMPTED_NO_CHECKPOINT)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_PREEMPT_TIMEOUT)
+        os._exit(EXIT_PREEMPTED_NO_CHECKPOINT)
 
     # -- helpers for the loop ---------------------------------------------------------
 

@@ -27,6 +27,7 @@ Inert unless given: `FaultInjector([])` costs one attribute check per phase.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -45,7 +46,8 @@ OOM_PHASES = ("to_device", "forward", "backward", "grad_sync", "optimizer", "ave
 CUT_PHASES = ("to_device", "forward", "backward")
 # stall: sleep inside the step (watchdog tests); nonfinite: make this rank's loss NaN,
 # nonfinite_grad: keep the loss finite but make its gradient NaN (vote tests); kill: SIGKILL this process, first launch only (elastic-restart tests).
-ALL_PHASES = (*OOM_PHASES, "stall", "nonfinite", "nonfinite_grad", "kill", "alloc")
+# disk@save:N: the Nth checkpoint write of the run fails as a full disk does (ENOSPC).
+ALL_PHASES = (*OOM_PHASES, "stall", "nonfinite", "nonfinite_grad", "kill", "alloc", "disk")
 
 
 class InjectedOutOfMemoryError(torch.OutOfMemoryError):
@@ -93,6 +95,12 @@ def parse_fault(text: str) -> FaultSpec:
         if phase not in CUT_PHASES:
             raise fail(f"a cut target only works for {', '.join(CUT_PHASES)}")
         return FaultSpec(phase=phase, cut_id=cut_id, text=text)
+    if phase == "disk":
+        save_text, _, nth_text = where.partition(":")
+        if save_text != "save" or not nth_text.isdigit() or int(nth_text) < 1:
+            raise fail("disk takes save:N (the Nth checkpoint write of the run, N >= 1)")
+        # Only rank 0 writes checkpoints.
+        return FaultSpec(phase=phase, step=int(nth_text), ranks=frozenset({0}), text=text)
     nth = 0
     if phase == "alloc":
         step_text, _, rest = where.partition(":")
@@ -140,6 +148,7 @@ class FaultInjector:
         self.phase = "idle"  # where the trainer is now: reports and the allocation census
         self.fired: list[tuple[str, int, int]] = []  # (phase, step, attempt), for tests and logs
         self._fire_counts: dict[FaultSpec, int] = {}  # passes each spec has fired on
+        self.saves = 0  # checkpoint writes so far (disk@save:N)
         self.alloc_specs = [s for s in self.specs if s.phase == "alloc"]
         self.allocations = 0  # allocating ops counted in the current step window
         self.census: dict[int, list[tuple[str, str]]] | None = None  # step -> [(phase, op)]
@@ -256,6 +265,15 @@ class FaultInjector:
         raise InjectedOutOfMemoryError(
             f"injected OOM: phase={phase} step={self.step} attempt={self.attempt} rank={self.rank}"
         )
+
+    def maybe_fail_save(self, path) -> None:
+        """disk@save:N: the Nth checkpoint write of this run fails as on a full disk."""
+        self.saves += 1
+        for spec in self.specs:
+            if spec.phase == "disk" and spec.step == self.saves and not self._fire_counts.get(spec):
+                self._fire_counts[spec] = 1
+                self.fired.append(("disk", self.step, self.saves))
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
 
     def maybe_stall(self) -> None:
         if self.specs and self._should_fire("stall", None):

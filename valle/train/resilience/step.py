@@ -86,8 +86,8 @@ METRIC_KEYS = ("ar_loss", "nar_loss", "ar_top10_correct", "ar_frames", "nar_top1
                "nar_frames")
 # The vote vector: host-written slots, then one per rank ("state damaged"), then the
 # device-written sums.
-_FAILED, _DONE, _FRAMES, _CUTS, _GIVE_UP, _STOP = range(6)
-_HOST0 = 6
+_FAILED, _DONE, _FRAMES, _CUTS, _GIVE_UP, _STOP, _UNREADABLE = range(7)
+_HOST0 = 7
 _SUMS = 1 + len(METRIC_KEYS) + 1  # loss, metrics, gradient norm
 
 
@@ -135,6 +135,7 @@ class Vote:
     done: int
     give_up: int
     stop: int  # ranks asking to stop after this step (a preemption signal)
+    unreadable: int  # cuts whose codes could not be read, drawn for this step on all ranks
     loss: float
     metrics: dict[str, float]
     bad_ranks: list[int]
@@ -157,6 +158,7 @@ class StepResult:
     attempts: int = 0
     repairs: int = 0
     stop_requested: bool = False  # some rank asked to stop after this step (same on every rank)
+    unreadable: int = 0  # cuts drawn for this step whose codes could not be read, all ranks
 
 
 @dataclass
@@ -228,6 +230,8 @@ class ResilientStep:
         self._micro: Batch | None = None  # the micro-batch in flight (for reports)
         # This rank's stop request (preemption), carried by the step's vote.
         self.stop_requested: Callable[[], bool] = lambda: False
+        # Cuts drawn for this step that could not be read (the loop sets it), voted.
+        self.unreadable_cuts = 0
         self._host_slots = _HOST0 + ctx.world_size
         # Device-side sums of the vote, written in place during the attempt.
         self._sums = self.channel.device_slots(self._host_slots, _SUMS)
@@ -272,6 +276,7 @@ class ResilientStep:
             torch.manual_seed(sample_seed(self.cfg.seed, step, "") % (1 << 62))
             failure, vote = (self._attempt_ddp if self.is_ddp else self._attempt)(step, batch, split)
             result.stop_requested |= vote.stop > 0
+            result.unreadable = vote.unreadable  # the same in every attempt of the step
             if vote.give_up:
                 raise OomNotDataError(self._give_up_message(vote))
             if vote.bad_ranks:
@@ -622,13 +627,15 @@ class ResilientStep:
         host[_CUTS] = float(cuts)
         host[_GIVE_UP] = float(self._give_up is not None)
         host[_STOP] = float(self.stop_requested())
+        host[_UNREADABLE] = float(self.unreadable_cuts)
         host[_HOST0 + self.ctx.rank] = float(self.state_damaged)
         with self.faults.phase_scope("vote"):
             v = self.channel.reduce(host, used=self._host_slots + _SUMS)  # the one host sync
         sums = v[self._host_slots:]
         return Vote(
             failed=int(v[_FAILED]), frames=int(v[_FRAMES]), cuts=int(v[_CUTS]),
-            done=int(v[_DONE]), give_up=int(v[_GIVE_UP]), stop=int(v[_STOP]), loss=sums[0],
+            done=int(v[_DONE]), give_up=int(v[_GIVE_UP]), stop=int(v[_STOP]),
+            unreadable=int(v[_UNREADABLE]), loss=sums[0],
             # NaN/inf on any rank makes the sum non-finite: no extra flag needed.
             nonfinite=not (math.isfinite(sums[0]) and math.isfinite(sums[-1])),
             metrics={k: sums[1 + i] for i, k in enumerate(METRIC_KEYS)},
