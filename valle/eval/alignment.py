@@ -41,7 +41,7 @@ class HeadAlignment:
     order: float
 
 
-def _text_attention(model, text, text_valid, codes0, audio_valid, langs=None):
+def text_attention(model, text, text_valid, codes0, audio_valid, langs=None):
     """Per layer: (attention probabilities over the text (B, H, T, S), text mass (B, H, T))."""
     x = model.ar_embed_text(text, text_valid, langs)
     y = model.ar_embed_audio(codes0, torch.arange(codes0.shape[1], device=codes0.device))
@@ -76,7 +76,7 @@ def head_alignment(
     try:
         text_valid = lengths_to_valid(text_lens, text.shape[1])
         audio_valid = lengths_to_valid(audio_lens, codes0.shape[1])
-        per_layer = _text_attention(model, text, text_valid, codes0, audio_valid, langs)
+        per_layer = text_attention(model, text, text_valid, codes0, audio_valid, langs)
     finally:
         model.train(was_training)
     grid = GuidedAttention(1.0, sigma, 1, 1).penalty_grid(text_valid, audio_valid)

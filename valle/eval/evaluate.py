@@ -160,7 +160,7 @@ class Tools:
     cache: dict = field(default_factory=dict)
 
 
-def _score(tools: Tools, wav: torch.Tensor, ref_symbols: list[str], text: str,
+def score_wav(tools: Tools, wav: torch.Tensor, ref_symbols: list[str], text: str,
            prompt: torch.Tensor | None) -> Scores:
     ref = spoken(ref_symbols)
     hyp = tools.judge.transcribe([wav])[0] if wav.numel() >= HOP_LENGTH else []
@@ -198,7 +198,7 @@ def evaluate_row(tools: Tools, row: Row, references: bool = True) -> RowResult:
     ref_symbols = _phonemes(tools, row.text, language)
     if not spoken(ref_symbols):
         raise EvalInputError(f"{row.name}: text {row.text!r} has no phonemes to score")
-    result = RowResult(row, _score(tools, out, ref_symbols, row.text, prompt), missing_output=missing)
+    result = RowResult(row, score_wav(tools, out, ref_symbols, row.text, prompt), missing_output=missing)
     # The text's duration at the prompt's speaking rate (phonemes per second of the prompt).
     prompt_symbols = _phonemes(tools, row.prompt_text, prompt_language)
     prompt_phones = len(spoken(prompt_symbols))
@@ -212,13 +212,13 @@ def evaluate_row(tools: Tools, row: Row, references: bool = True) -> RowResult:
     result.hit_length_cap = round(out.numel() / HOP_LENGTH) >= cap
     if references and row.ref_wav:
         ref = load_wav(row.ref_wav, "ground-truth wav", row)
-        result.ground_truth = _score(tools, ref, ref_symbols, row.text, prompt)
+        result.ground_truth = score_wav(tools, ref, ref_symbols, row.text, prompt)
         result.duration_ratio_ref = result.output.seconds / max(1e-9, result.ground_truth.seconds)
         if tools.codec is not None:
             with torch.inference_mode():
                 codes = tools.codec.encode(ref.reshape(1, 1, -1))
                 resyn = tools.codec.decode(codes).reshape(-1).float().cpu()
-            result.resynthesis = _score(tools, resyn, ref_symbols, row.text, prompt)
+            result.resynthesis = score_wav(tools, resyn, ref_symbols, row.text, prompt)
     return result
 
 

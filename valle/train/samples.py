@@ -217,7 +217,7 @@ def attention_image(model: Any, item: HeldOutItem, output: torch.Tensor) -> torc
     """(text tokens, AR positions) in [0, 1], first token at the bottom: the attention of head 0
     of the AR's last layer (a guided head with --guided-attention-weight > 0), teacher-forced on
     the prompt and the output's codebook 0, as valle.eval.alignment measures it."""
-    from valle.eval.alignment import _text_attention
+    from valle.eval.alignment import text_attention
     from valle.models.layout import lengths_to_valid
 
     device = next(model.parameters()).device
@@ -230,7 +230,7 @@ def attention_image(model: Any, item: HeldOutItem, output: torch.Tensor) -> torc
     audio_lens = torch.tensor([codes0.shape[1]], device=device)
     languages = None if item.languages is None else item.languages[None].to(device)
     langs = model.language_ids(text, languages)
-    per_layer = _text_attention(model, text, lengths_to_valid(text_lens, text.shape[1]), codes0,
+    per_layer = text_attention(model, text, lengths_to_valid(text_lens, text.shape[1]), codes0,
                                 lengths_to_valid(audio_lens, codes0.shape[1]), langs)
     probs = per_layer[-1][0][0, 0].float().cpu()  # (positions, text tokens)
     return _visible(_unit(probs.T.flip(0)))
@@ -377,13 +377,13 @@ class SampleWriter:
         listeners = self.listeners
         if listeners.judge is None or not item.reference:
             return None
-        from valle.eval.evaluate import Tools, _score
+        from valle.eval.evaluate import Tools, score_wav
 
         tools = Tools(judge=listeners.judge, phonemize=None, embedder=listeners.embedder)
         prompt = None
         if listeners.embedder is not None:  # the same every pass: decoded once
             prompt = self.prompt_audio.setdefault(item.name, self._audio(item.prompt_codes))
-        return _score(tools, wav, item.reference, item.text, prompt)
+        return score_wav(tools, wav, item.reference, item.text, prompt)
 
     def _write_scores(self, writer: Any, scores: list, step: int) -> None:
         from valle.eval.evaluate import aggregate
