@@ -8,7 +8,10 @@ divided by N is its marginal time per step, set-up and teardown cancelled out.
 "Bare": zero_grad / forward / backward / torch.optim.AdamW on the same model and
 the same batches (drawn up front), also timed at N and 2N steps; with 2 ranks
 the model is wrapped in torch DDP. Runs are interleaved and repeated; the
-median marginal time is reported.
+median marginal time is reported. Time is the process's CPU time
+(time.process_time): on a shared machine it is what this process itself spent,
+nearly free of other processes' load; on CUDA use --clock wall (the host's
+CPU time then includes its waits on the device).
 
 `--profile` instead runs the trainer once under torch.profiler, each phase of
 the step marked with record_function, and prints the host time per region.
@@ -30,6 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from valle.train.harness import run_world, values  # noqa: E402
+
+CLOCK = [time.process_time]  # --clock wall: time.perf_counter
 
 SIZES = {
     # the smallest model that still runs every part of the step
@@ -57,14 +62,14 @@ def run_trainer(size: str, optimizer: str, steps: int, batch: int, device: str) 
 
     with tempfile.TemporaryDirectory() as exp_dir:
         cfg = parse_config(trainer_argv(size, optimizer, steps, batch, exp_dir, device))
-        start = time.perf_counter()
+        start = CLOCK[0]()
         train(cfg)
-        elapsed = time.perf_counter() - start
+        elapsed = CLOCK[0]() - start
     logging.getLogger().setLevel(logging.WARNING)  # the next train() logs its set-up only
     return elapsed
 
 
-def run_bare(size: str, steps: int, batch: int, device: str) -> float:
+def run_bare(size: str, steps: int, batch: int, device: str, profiler=None) -> float:
     """Seconds of `steps` bare steps (after 3 warm-up steps), batches drawn up front."""
     from valle.models import get_model
     from valle.train.cli import parse_config
@@ -98,11 +103,12 @@ def run_bare(size: str, steps: int, batch: int, device: str) -> float:
     for b in batches[:3]:
         step(b)
     _sync(ctx.device)
-    start = time.perf_counter()
-    for b in batches[3:]:
-        step(b)
-    _sync(ctx.device)
-    return time.perf_counter() - start
+    start = CLOCK[0]()
+    with profiler if profiler is not None else contextlib.nullcontext():
+        for b in batches[3:]:
+            step(b)
+        _sync(ctx.device)
+    return CLOCK[0]() - start
 
 
 def _sync(device: torch.device) -> None:
@@ -209,21 +215,34 @@ def profile(args, size: str, optimizer: str) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with phases_marked(), torch_profile(activities=activities) as prof:
         run_trainer(size, optimizer, steps, args.batch, args.device)
-    rows = [e for e in prof.key_averages()
-            if e.key.startswith(("phase:", "host_work", "ResilientStep.run", "loop."))]
+    bare = torch_profile(activities=activities)
+    run_bare(size, steps, args.batch, args.device, profiler=bare)
+    marks = ("phase:", "host_work", "ResilientStep.run", "loop.")
+    rows = [e for e in prof.key_averages() if e.key.startswith(marks)]
     rows.sort(key=lambda e: -e.cpu_time_total)
-    print(f"{size} model, {optimizer}, {steps} steps under torch.profiler (host time per step; "
-          "phases nest: optimizer and average are inside ResilientStep.run)\n")
+    print(f"{size} model, trainer with {optimizer}, {steps} steps under torch.profiler (host "
+          "time per step, profiler overhead included; regions nest: the phases are inside "
+          "ResilientStep.run)\n")
     print("| region | calls/step | host ms/step |\n|---|---|---|")
     for e in rows:
-        print(f"| {e.key} | {e.count / steps:.1f} | {e.cpu_time_total / 1e3 / steps:.3f} |")
-    print("\nTop ops by self host time:\n")
-    print("| op | calls/step | self host ms/step |\n|---|---|---|")
-    ops = [e for e in prof.key_averages() if not e.key.startswith(("phase:", "host_work",
-                                                                    "ResilientStep", "loop."))]
-    ops.sort(key=lambda e: -e.self_cpu_time_total)
-    for e in ops[:args.top]:
-        print(f"| {e.key} | {e.count / steps:.1f} | {e.self_cpu_time_total / 1e3 / steps:.3f} |")
+        if e.count >= steps // 2:  # per-step regions, not set-up or teardown
+            print(f"| {e.key} | {e.count / steps:.1f} | {e.cpu_time_total / 1e3 / steps:.3f} |")
+    ours = {e.key: e for e in prof.key_averages() if not e.key.startswith(marks)}
+    theirs = {e.key: e for e in bare.key_averages()}
+
+    def per_step(table, key, attr):
+        e = table.get(key)
+        return getattr(e, attr) / steps if e is not None else 0.0
+
+    extra = sorted(ours, key=lambda k: per_step(theirs, k, "self_cpu_time_total")
+                   - per_step(ours, k, "self_cpu_time_total"))
+    print(f"\nOps with the most self host time beyond the bare loop's ({steps} bare steps "
+          "profiled the same way):\n")
+    print("| op | calls/step trainer | calls/step bare | extra self host ms/step |\n|---|---|---|---|")
+    for key in extra[:args.top]:
+        diff = per_step(ours, key, "self_cpu_time_total") - per_step(theirs, key, "self_cpu_time_total")
+        print(f"| {key} | {per_step(ours, key, 'count'):.1f} | {per_step(theirs, key, 'count'):.1f} "
+              f"| {diff / 1e3:.3f} |")
     print()
 
 
@@ -239,7 +258,10 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2", help="1 and/or 2 (2: gloo, CPU only)")
     parser.add_argument("--profile", action="store_true", help="the profile instead of the timing")
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="cpu: this process's CPU time; wall: elapsed time")
     args = parser.parse_args()
+    CLOCK[0] = time.process_time if args.clock == "cpu" else time.perf_counter
     args.steps = {"tiny": args.tiny_steps, "demo": args.demo_steps}
     logging.basicConfig(level=logging.WARNING)
     print(f"command: python scripts/bench_host.py {' '.join(sys.argv[1:])}".rstrip())
@@ -249,7 +271,8 @@ def main() -> None:
             for optimizer in ("AdamW", "ScaledAdam"):
                 profile(args, size, optimizer)
         return
-    print(f"synthetic data, batch {args.batch}, fp32, {args.device}, {args.threads} thread(s); "
+    print(f"synthetic data, batch {args.batch}, fp32, {args.device}, {args.threads} thread(s), "
+          f"{'process CPU' if args.clock == 'cpu' else 'wall'} time; "
           f"marginal time per step = (t(2N) - t(N)) / N, N = "
           f"{', '.join(f'{args.steps[s]} ({s})' for s in sizes)}; median of {args.repeats} "
           "interleaved repeats\n")

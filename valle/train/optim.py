@@ -42,6 +42,7 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "clip_grad_norm_",
+    "scale_and_clip_",
     "OPTIMIZERS",
     "SCHEDULERS",
 ]
@@ -669,15 +670,27 @@ def clip_grad_norm_(params: Iterable[Tensor], max_norm: float) -> Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
+    return scale_and_clip_(grads, 1.0, max_norm)
+
+
+@torch.no_grad()
+def scale_and_clip_(grads: Sequence[Tensor], factor: float, max_norm: float,
+                    norms: Sequence[Tensor] | None = None) -> Tensor:
+    """``grads *= factor``, then clipped to a global L2 norm of at most ``max_norm``:
+    one norm pass and one multiply (``norms``: the per-tensor norms of ``grads`` when
+    the caller already has them). Everything allocates before the multiply, the only
+    mutation, so an OOM leaves the gradients as they were. Returns the scaled norm
+    before clipping (0-dim, no host sync)."""
     by_device: dict[torch.device, list[Tensor]] = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
     first_device = grads[0].device
-    norms = []
-    for device_grads in by_device.values():
-        norms.extend(n.float().to(first_device) for n in torch._foreach_norm(device_grads))
-    total = torch.linalg.vector_norm(torch.stack(norms))
-    coef = torch.clamp(max_norm / (total + 1.0e-6), max=1.0)
+    if norms is None or len(by_device) > 1:
+        norms = []
+        for device_grads in by_device.values():
+            norms.extend(n.float().to(first_device) for n in torch._foreach_norm(device_grads))
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms])) * factor
+    coef = torch.clamp(max_norm / (total + 1.0e-6), max=1.0) * factor
     for device, device_grads in by_device.items():
         torch._foreach_mul_(device_grads, coef.to(device))
     return total
