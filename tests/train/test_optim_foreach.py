@@ -82,7 +82,7 @@ def test_scaled_adam_foreach_ignores_a_nonfinite_gradient_like_the_loop():
     _assert_same_state(loop_model, loop, foreach_model, foreach, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("nth", [3, 30, 60, 120, 170])
+@pytest.mark.parametrize("nth", [3, 30, 60, 100, 150])
 def test_scaled_adam_foreach_resumes_in_the_middle_of_a_step(nth):
     clean_model, model = _net(), _net()
     clean, opt = _scaled_adam(clean_model, True), _scaled_adam(model, True)

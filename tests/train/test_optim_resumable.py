@@ -75,7 +75,9 @@ def test_an_oom_at_any_allocation_of_step_then_a_retry_equals_a_clean_step(name)
         clean.step()
     expected = _state(clean_model, clean)
     total = _allocations_of_one_step(name)
-    assert total >= 8
+    # The fused Adam kernel allocates nothing: only its step counts (one per chunk) can
+    # fail, each before its chunk's in-place update.
+    assert total >= (1 if name in ("AdamW", "Adam") else 8)
     # Fail every allocation of step 3 in turn (after the gradients were made).
     grads_allocations = sum(1 for _ in clean_model.parameters())
     for n in range(1, total + 1):

@@ -423,18 +423,16 @@ class ScaledAdam(Optimizer):
         else:
             denom = torch._foreach_sqrt(new_sq)
         torch._foreach_add_(denom, group["eps"])
-        # The update is relative to each parameter's RMS.
+        # The update (grad / denom * alpha) is relative to each parameter's RMS; alpha
+        # folded into the denominator, so it costs one pass less.
         alpha = rms.clamp(min=group["param_min_rms"]) * (-group["lr"] * (1 - beta1))
-        update = torch._foreach_div(grads, denom)
-        torch._foreach_mul_(update, list(alpha.unbind(0)))
-        torch._foreach_add_(new_delta, update)
-        update = denom = None
-        if params[0].dtype == torch.float32:
-            new_p = torch._foreach_add(params, new_delta)
-        else:
-            new_p = torch._foreach_add(params, [d.to(params[0].dtype) for d in new_delta])
-        # ... commit: in-place copies and hand-overs only, which allocate nothing.
-        torch._foreach_copy_(params, new_p)
+        torch._foreach_div_(denom, list(alpha.unbind(0)))
+        torch._foreach_addcdiv_(new_delta, grads, denom)
+        denom = None
+        delta_in_p = new_delta if params[0].dtype == torch.float32 else \
+            [d.to(params[0].dtype) for d in new_delta]
+        # ... commit: in-place adds, copies and hand-overs only, which allocate nothing.
+        torch._foreach_add_(params, delta_in_p)
         torch._foreach_copy_([s["scale_grads"] for s in states], list(scale_grads.unbind(0)))
         if new_rms is not None:
             torch._foreach_copy_([s["param_rms"] for s in states], list(new_rms.unbind(0)))
@@ -529,11 +527,13 @@ class ScaledAdam(Optimizer):
 class Adam(Optimizer):
     """Adam / AdamW (``decoupled=True``), resumable like ScaledAdam.
 
-    Parameters are updated in chunks of about ``chunk_mb``: each chunk's new
-    values are computed out of place (foreach kernels, so the speed of torch's
-    foreach AdamW) and committed with in-place copies. An out-of-memory error
-    leaves every chunk updated or untouched; the next step() call finishes the
-    rest. The arithmetic is torch.optim.AdamW's (tested against it).
+    Parameters are updated in chunks of about ``chunk_mb``. Where torch has a
+    fused Adam kernel (CUDA, CPU) a chunk is one launch of it, in place: the
+    kernel allocates nothing, so it cannot fail half-way. Otherwise (``fused=False``)
+    the chunk's new values are computed out of place with foreach kernels and
+    committed with in-place copies. Either way an out-of-memory error leaves every
+    chunk updated or untouched; the next step() call finishes the rest. The
+    arithmetic is torch.optim.AdamW's (tested against it).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -544,8 +544,8 @@ class Adam(Optimizer):
         super().__init__(params, defaults)
         self.chunk_bytes = int(chunk_mb * (1 << 20))
         self._progress: tuple[int, int] | None = None
-        # fused: torch's fused Adam(W) kernel (one launch per chunk) run on copies of the
-        # chunk's parameters and moments; None: wherever the kernel exists.
+        # fused: torch's fused Adam(W) kernel (one launch per chunk, allocation-free, so
+        # it commits the chunk at once); None: wherever the kernel exists.
         self.fused = fused
 
     @staticmethod
@@ -627,24 +627,22 @@ class Adam(Optimizer):
 
 
     def _update_chunk_fused(self, group: dict, params: list[Tensor]) -> None:
+        """torch's fused Adam(W) kernel, in place. It allocates nothing, so it cannot run
+        out of memory part-way: the launch is itself the commit, and everything that
+        allocates (the step counts as device tensors: fills, no host-to-device copy)
+        comes before it."""
         beta1, beta2 = group["betas"]
         states = [self.state[p] for p in params]
         steps = [s["step"] + 1 for s in states]
-        # Prepare (allocates): copies the fused kernel then updates in place; the step
-        # counts as device tensors (fills, no host-to-device copy), one per distinct count.
-        new_p = torch._foreach_mul(params, 1.0)
-        new_avg = torch._foreach_mul([s["exp_avg"] for s in states], 1.0)
-        new_sq = torch._foreach_mul([s["exp_avg_sq"] for s in states], 1.0)
         counts = {k: torch.full((), float(k), dtype=torch.float32, device=params[0].device)
                   for k in set(steps)}
         kernel = torch._fused_adamw_ if group["decoupled"] else torch._fused_adam_
-        kernel(new_p, [p.grad for p in params], new_avg, new_sq, [], [counts[k] for k in steps],
+        kernel(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+               [s["exp_avg_sq"] for s in states], [], [counts[k] for k in steps],
                lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                eps=group["eps"], amsgrad=False, maximize=False)
-        # ... commit, allocating nothing (as _update_chunk).
-        torch._foreach_copy_(params, new_p)
-        for s, k, avg, sq in zip(states, steps, new_avg, new_sq):
-            s["step"], s["exp_avg"], s["exp_avg_sq"] = k, avg, sq
+        for s, k in zip(states, steps):
+            s["step"] = k
 
 
 def materialize_optimizer_state(optimizer: Optimizer) -> None:
