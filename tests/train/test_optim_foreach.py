@@ -123,3 +123,23 @@ def test_fused_adam_equals_the_foreach_adam(decoupled):
             _grads(m, step)
             o.step()
     _assert_same_state(models[0], opts[0], models[1], opts[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 100.0])  # clipped, and not
+def test_scale_and_clip_equals_scaling_then_clipping(max_norm):
+    from valle.train.optim import scale_and_clip_
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
+    params = [nn.Parameter(torch.zeros_like(t)) for t in grads]
+    for p, t in zip(params, grads):
+        p.grad = t * 0.01  # scaled first, then clipped by torch
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+    reference = [p.grad for p in params]
+    for given_norms in (None, torch._foreach_norm(grads)):  # the norms reused, or computed
+        ours = [t.clone() for t in grads]
+        total = scale_and_clip_(ours, 0.01, max_norm, norms=given_norms)
+        torch.testing.assert_close(total, torch.linalg.vector_norm(torch.cat(
+            [t.reshape(-1) * 0.01 for t in grads])))
+        for a, b in zip(ours, reference):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
