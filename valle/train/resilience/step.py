@@ -13,9 +13,9 @@ error at *any* allocation, not only at a few named points:
   gradient buckets themselves. So a rank that just failed can always finish
   the protocol the others are in.
 * Updates are transactions. The optimizer (ScaledAdam/Adam, valle.train.optim)
-  computes each parameter's update out of place and commits it with in-place
-  copies; GradScaler's unscale/update and the clipping allocate before they
-  mutate. So an OOM in the update phase is retried locally, resuming where it
+  computes each chunk of parameters' update out of place and commits it with
+  in-place copies (fused AdamW: one kernel that allocates nothing, in place);
+  GradScaler's unscale/update and the clipping allocate before they mutate. So an OOM in the update phase is retried locally, resuming where it
   stopped, and gives the fault-free result. Only if that keeps failing is the
   rank's state "damaged": it says so in the next vote and receives parameters,
   optimizer, scaler and averaged model from the lowest healthy rank, in place.
