@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Train VALL-E on a tokenized corpus (egs/<corpus>/run.sh calls this), as in the original recipes.
-#   egs/train.sh --dataset libritts [--recipe two-stage|single-stage] [--nproc 8] [--dtype bfloat16]
+#   egs/train.sh --dataset libritts [--recipe two-stage|single-stage] [--nproc 8] [--dtype auto]
 #       [--max-duration 80] [--max-text-tokens auto|N|off] [--shar-dir data/shar/train]
 #       [--num-languages 2 --languages en-us,cmn]   (VALL-E X: egs/vallex/run.sh)
 # two-stage (default): the AR (--train-stage 1), then the NAR (--train-stage 2) in the same
@@ -8,12 +8,14 @@
 #   scheduler and sampler state dropped, as the log says), then continues its own.
 # single-stage: AR and NAR together (--train-stage 0).
 # Every run resumes from the newest valid checkpoint in --exp-dir (torchrun --max-restarts too).
+# --dtype auto (default): bfloat16 autocast where torch sees a GPU, float32 on CPU (bf16 autocast
+#   there is slower than fp32); --dtype float16 trains with a GradScaler instead.
 set -euo pipefail
 
 dataset=""
 recipe=two-stage
 nproc=8
-dtype=bfloat16
+dtype=auto
 num_epochs=20
 max_duration=80
 # auto: from --max-duration and the corpus's text tokens per second (data/tokenized/
@@ -30,6 +32,13 @@ options="dataset recipe nproc dtype num_epochs max_duration max_text_tokens shar
 [ -n "$dataset" ] || { echo "$0: --dataset is required" >&2; exit 1; }
 # Runs in the recipe directory (egs/<dataset>): data/ and exp/ live there.
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [ "$dtype" = auto ]; then
+  if "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    dtype=bfloat16
+  else
+    dtype=float32
+  fi
+fi
 
 model=(--model-name valle --decoder-dim 1024 --nhead 16 --num-decoder-layers 12
        --prefix-mode 1 --share-embedding true --norm-first true --add-prenet false)

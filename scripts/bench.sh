@@ -20,6 +20,16 @@ tmp=$(mktemp)
   echo
   python scripts/bench_step.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to'
   echo
+  echo "## Trainer vs bare loop: the trainer's own host time per step"
+  echo
+  echo '```'
+  echo "python scripts/bench_host.py"
+  echo "python scripts/bench_host.py --profile --sizes tiny"
+  echo '```'
+  echo
+  python scripts/bench_host.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to'
+  python scripts/bench_host.py --profile --sizes tiny 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to'
+  echo
   echo "## Model: training-step FLOP/s and KV-cache decoding"
   echo
   echo '```'

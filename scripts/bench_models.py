@@ -136,14 +136,15 @@ def bench_decode(
         0, NUM_AUDIO_TOKENS, (1, prompt_frames, model.num_quantizers), generator=g
     ).to(device)
     prompt_lens = torch.tensor([prompt_frames], device=device)
-    def ar(cache: bool):
-        options = DecodeOptions(seed=0, force_len=frames, use_kv_cache=cache)
+    def ar(cache: bool, static: bool = False):
+        options = DecodeOptions(seed=0, force_len=frames, use_kv_cache=cache, static_cache=static)
         return lambda: ar_generate(model, text, text_lens, prompt[..., 0], prompt_lens, options)
 
     with torch.no_grad():
         cached = _time(ar(True), device, repeats, warmup=1)
         if not nar:  # the AR with its cache only
-            return statistics.median(cached), None, None, None
+            return statistics.median(cached), None, None, None, None
+        static = _time(ar(True, static=True), device, repeats, warmup=1)
         full = _time(ar(False), device, 1, warmup=0)
         # Per-token steps are tiny ops: with other processes on the cores, OpenMP threads
         # waiting on a descheduled peer can cost far more than the work. Show 1 thread too.
@@ -159,7 +160,8 @@ def bench_decode(
             1,
         )
     assert gen.shape[1] == frames
-    return statistics.median(cached), statistics.median(cached_1t), full[0], statistics.median(nar)
+    return (statistics.median(cached), statistics.median(cached_1t), full[0],
+            statistics.median(nar), statistics.median(static))
 
 
 def build(args, dropout: float, vocab: int, device, **extra):
@@ -308,7 +310,7 @@ def main() -> None:
     if args.skip_decode:
         return
     model = build(args, 0.0, vocab, device).eval()
-    cached, cached_1t, full, nar = bench_decode(model, args.text_len, args.prompt_frames, args.decode_frames,
+    cached, cached_1t, full, nar, static = bench_decode(model, args.text_len, args.prompt_frames, args.decode_frames,
                                      device, max(1, args.repeats // 2), vocab)  # fmt: skip
     print(f"\n## AR decoding: {args.decode_frames} frames ({args.decode_frames / 75:.1f} s) after a "
           f"{args.prompt_frames}-frame prompt, {args.text_len} text tokens, batch 1\n")  # fmt: skip
@@ -320,7 +322,10 @@ def main() -> None:
     print(
         f"| AR with KV cache, 1 torch thread | {cached_1t:.2f} s | {args.decode_frames / cached_1t:.0f} |"
     )
+    print(f"| AR with the static KV cache (`--static-cache`: fixed-shape step, what CUDA graphs "
+          f"capture) | {static:.2f} s | {args.decode_frames / static:.0f} |")
     print(f"| speed-up (same threads) | {full / cached:.1f}x | |")
+    print(f"| static / dynamic cache time | {static / cached:.2f}x | |")
     print(f"| NAR, 7 stages (same for both) | {nar:.2f} s | |")
 
 

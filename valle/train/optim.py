@@ -41,6 +41,7 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "clip_grad_norm_",
+    "scale_and_clip_",
     "OPTIMIZERS",
     "SCHEDULERS",
 ]
@@ -99,6 +100,8 @@ class ScaledAdam(Optimizer):
         scalar_max: float = 10.0,
         size_update_period: int = 4,
         clipping_update_period: int = 100,
+        foreach: bool = True,
+        chunk_mb: float = 64.0,
     ) -> None:
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"invalid betas {betas}")
@@ -118,6 +121,11 @@ class ScaledAdam(Optimizer):
         )
         super().__init__(params, defaults)
         self._progress: dict | None = None  # where an interrupted step() resumes
+        # foreach: the tensor parameters of a group are updated together, in chunks of
+        # about chunk_mb, with multi-tensor kernels (a few launches per chunk instead of
+        # ~20 per parameter); False: the per-parameter reference implementation.
+        self.foreach = foreach
+        self.chunk_bytes = int(chunk_mb * (1 << 20))
 
     # ----------------------------------------------------------------- state
 
@@ -190,15 +198,10 @@ class ScaledAdam(Optimizer):
         period = group["clipping_update_period"]
         scalar_lr_scale = group["scalar_lr_scale"]
 
-        weighted = []
-        for p in params:
-            if p.grad is None:
-                continue
-            norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
-            state = self.state[p]
-            # A gradient matters in proportion to the parameter's size, since
-            # the update is relative to it.
-            weighted.append(norm * (state["param_rms"] if p.numel() > 1 else scalar_lr_scale))
+        # A gradient matters in proportion to the parameter's size, since the update is
+        # relative to it.
+        weighted = (self._weighted_norms_foreach if self.foreach else self._weighted_norms)(
+            params, scalar_lr_scale)
         if not weighted:
             return None
         # Computed out of place, then committed with in-place copies (which allocate
@@ -227,6 +230,35 @@ class ScaledAdam(Optimizer):
         first["num_clipped"].add_(clipped)
         return first["clip_factor"]
 
+    def _weighted_norms(self, params: list[Tensor], scalar_lr_scale: float) -> list[Tensor]:
+        """Each gradient's norm times its parameter's RMS (scalars: scalar_lr_scale)."""
+        weighted = []
+        for p in params:
+            if p.grad is None:
+                continue
+            norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+            weighted.append(norm * (self.state[p]["param_rms"] if p.numel() > 1
+                                    else scalar_lr_scale))
+        return weighted
+
+    def _weighted_norms_foreach(self, params: list[Tensor],
+                                scalar_lr_scale: float) -> list[Tensor]:
+        """_weighted_norms with one multi-tensor norm and one multiply."""
+        with_grad = [p for p in params if p.grad is not None]
+        if not with_grad:
+            return []
+        norms = torch._foreach_norm([p.grad for p in with_grad], dtype=torch.float32)
+        scalar_weight = None
+        weights = []
+        for p in with_grad:
+            if p.numel() > 1:
+                weights.append(self.state[p]["param_rms"])
+            else:
+                if scalar_weight is None:  # a fill kernel, no host-to-device copy
+                    scalar_weight = torch.full((), scalar_lr_scale, device=p.device)
+                weights.append(scalar_weight)
+        return torch._foreach_mul(norms, weights)
+
     def clipping_stats(self) -> dict[str, Tensor]:
         """Last grad norm, clip factor, threshold and clipped-step count, as
         device tensors of the first group (read them when you sync anyway)."""
@@ -253,20 +285,49 @@ class ScaledAdam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        progress = self._progress = self._progress or {"group": 0, "param": 0}
+        progress = self._progress = self._progress or {"group": 0, "unit": 0}
         for gi in range(progress["group"], len(self.param_groups)):
             group = self.param_groups[gi]
             self._init_group_state(group)
             if "factor" not in progress:
                 progress["factor"] = self._clipping_factor(group)
-            params = group["params"]
-            for pi in range(progress["param"], len(params)):
-                self._step_param(group, params[pi], self.state[params[pi]], progress["factor"])
-                progress["param"] = pi + 1
-            progress.update(group=gi + 1, param=0)
+            units = self._units(group["params"])
+            for ui in range(progress["unit"], len(units)):
+                unit = units[ui]
+                if len(unit) == 1 and (not self.foreach or unit[0].numel() == 1):
+                    self._step_param(group, unit[0], self.state[unit[0]], progress["factor"])
+                else:
+                    self._step_chunk(group, unit, progress["factor"])
+                progress["unit"] = ui + 1
+            progress.update(group=gi + 1, unit=0)
             progress.pop("factor")
         self._progress = None
         return loss
+
+    def _units(self, params: list[Tensor]) -> list[list[Tensor]]:
+        """What one commit covers: a single parameter (the per-parameter mode, and every
+        scalar), or a chunk of tensor parameters of one device/dtype/step (foreach)."""
+        if not self.foreach:
+            return [[p] for p in params]
+        units: list[list[Tensor]] = []
+        chunk: list[Tensor] = []
+        size = 0
+        for p in params:
+            if p.numel() == 1:
+                units.append([p])
+                continue
+            nbytes = p.numel() * 4
+            first = chunk[0] if chunk else None
+            if first is not None and (size + nbytes > self.chunk_bytes or p.device != first.device
+                                      or p.dtype != first.dtype
+                                      or self.state[p]["step"] != self.state[first]["step"]):
+                units.append(chunk)
+                chunk, size = [], 0
+            chunk.append(p)
+            size += nbytes
+        if chunk:
+            units.append(chunk)
+        return units
 
     @property
     def resuming(self) -> bool:
@@ -313,6 +374,95 @@ class ScaledAdam(Optimizer):
             state[key].copy_(value)
         p.copy_(new_p)
         state["step"] = step + 1
+
+    def _chunk_grads(self, params: list[Tensor], factor: Tensor | None) -> list[Tensor]:
+        """The chunk's fp32 (clipped) gradients as views of one new flat buffer: the same
+        elementwise arithmetic as _step_param, in three kernels instead of 2-3 per
+        parameter; p.grad (a view into the sync buffer) is only read."""
+        flat = torch.cat([(p.grad if p.grad is not None
+                           else torch.zeros_like(p, dtype=torch.float32)).reshape(-1).float()
+                          for p in params])
+        if factor is not None:
+            flat.mul_(factor)
+            # factor is 0 when the norm is not finite, and inf*0 = nan.
+            torch.nan_to_num_(flat, nan=0.0, posinf=0.0, neginf=0.0)
+        return [g.view_as(p) for g, p in zip(flat.split([p.numel() for p in params]), params)]
+
+    def _step_chunk(self, group: dict, params: list[Tensor], factor: Tensor | None) -> None:
+        """_step_param for a chunk of tensor parameters (all at the same step), with
+        multi-tensor kernels; the per-parameter scalars (RMS, size statistics) are
+        stacked into vectors. Prepared out of place, then committed without allocating."""
+        if any(p.grad is not None and p.grad.is_sparse for p in params):
+            raise RuntimeError("ScaledAdam does not support sparse gradients")
+        states = [self.state[p] for p in params]
+        step = states[0]["step"]
+        beta1, beta2 = group["betas"]
+        period = group["size_update_period"]
+        grads = self._chunk_grads(params, factor)
+        pf = [p.float() for p in params]  # p itself when fp32
+        # Prepare: every new value out of place ...
+        new_delta = torch._foreach_mul([s["delta"] for s in states], beta1)
+        scale_grads = torch.stack([s["scale_grads"] for s in states])  # (n, period)
+        scale_grads.select(1, step % period).copy_(torch.stack(
+            [torch.dot(a.reshape(-1), g.reshape(-1)) for a, g in zip(pf, grads)]))
+        rms = torch.stack([s["param_rms"] for s in states])
+        new_rms = new_size = None
+        if step % period == period - 1:
+            norms = torch._foreach_norm(pf)
+            torch._foreach_mul_(norms, [p.numel() ** -0.5 for p in params])
+            rms = new_rms = torch.stack(norms)
+            if step > 0:
+                new_size = self._size_update_chunk(group, pf, states, scale_grads, rms, new_delta)
+        new_sq = torch._foreach_mul([s["exp_avg_sq"] for s in states], beta2)
+        torch._foreach_addcmul_(new_sq, grads, grads, value=1 - beta2)
+        bias_correction2 = 1 - beta2 ** (step + 1)
+        if bias_correction2 < 0.99:
+            denom = torch._foreach_mul(new_sq, 1.0 / bias_correction2)
+            torch._foreach_sqrt_(denom)
+        else:
+            denom = torch._foreach_sqrt(new_sq)
+        torch._foreach_add_(denom, group["eps"])
+        # The update (grad / denom * alpha) is relative to each parameter's RMS; alpha
+        # folded into the denominator, so it costs one pass less.
+        alpha = rms.clamp(min=group["param_min_rms"]) * (-group["lr"] * (1 - beta1))
+        torch._foreach_div_(denom, list(alpha.unbind(0)))
+        torch._foreach_addcdiv_(new_delta, grads, denom)
+        denom = None
+        delta_in_p = new_delta if params[0].dtype == torch.float32 else \
+            [d.to(params[0].dtype) for d in new_delta]
+        # ... commit: in-place adds, copies and hand-overs only, which allocate nothing.
+        torch._foreach_add_(params, delta_in_p)
+        torch._foreach_copy_([s["scale_grads"] for s in states], list(scale_grads.unbind(0)))
+        if new_rms is not None:
+            torch._foreach_copy_([s["param_rms"] for s in states], list(new_rms.unbind(0)))
+        if new_size is not None:
+            torch._foreach_copy_([s["scale_exp_avg_sq"] for s in states],
+                                 list(new_size.unbind(0)))
+        for s, delta, sq in zip(states, new_delta, new_sq):
+            s["delta"], s["exp_avg_sq"], s["step"] = delta, sq, step + 1
+
+    def _size_update_chunk(self, group: dict, pf: list[Tensor], states: list[dict],
+                           scale_grads: Tensor, param_rms: Tensor,
+                           new_delta: list[Tensor]) -> Tensor:
+        """_size_update for a chunk, on (n,) vectors; adds to new_delta in place and
+        returns the new scale_exp_avg_sq vector."""
+        beta1, beta2 = group["betas"]
+        size_lr = group["lr"] * group["scalar_lr_scale"]
+        period = scale_grads.shape[1]
+        beta2_corr = beta2**period
+        scale_exp_avg_sq = torch.stack([s["scale_exp_avg_sq"] for s in states]) * beta2_corr
+        scale_exp_avg_sq.add_(scale_grads.pow(2).mean(dim=1), alpha=1 - beta2_corr)
+        size_step = (states[0]["step"] + 1) // period
+        bias_correction2 = 1 - beta2_corr**size_step
+        denom = scale_exp_avg_sq.sqrt() + group["eps"]
+        scale_step = -size_lr * (bias_correction2**0.5) * scale_grads.sum(dim=1) / denom
+        scale_step = torch.where(param_rms < group["param_min_rms"],
+                                 torch.zeros_like(scale_step), scale_step)
+        scale_step = torch.where(param_rms > group["param_max_rms"],
+                                 torch.full_like(scale_step, -size_lr * period), scale_step)
+        torch._foreach_add_(new_delta, torch._foreach_mul(pf, list(scale_step.unbind(0))),
+                            alpha=1 - beta1)
+        return scale_exp_avg_sq
 
     def _size_update(self, group: dict, p: Tensor, state: dict, new: dict[str, Tensor],
                      param_rms: Tensor) -> None:
@@ -376,21 +526,30 @@ class ScaledAdam(Optimizer):
 class Adam(Optimizer):
     """Adam / AdamW (``decoupled=True``), resumable like ScaledAdam.
 
-    Parameters are updated in chunks of about ``chunk_mb``: each chunk's new
-    values are computed out of place (foreach kernels, so the speed of torch's
-    foreach AdamW) and committed with in-place copies. An out-of-memory error
-    leaves every chunk updated or untouched; the next step() call finishes the
-    rest. The arithmetic is torch.optim.AdamW's (tested against it).
+    Parameters are updated in chunks of about ``chunk_mb``. Where torch has a
+    fused Adam kernel (CUDA, CPU) a chunk is one launch of it, in place: the
+    kernel allocates nothing, so it cannot fail half-way. Otherwise (``fused=False``)
+    the chunk's new values are computed out of place with foreach kernels and
+    committed with in-place copies. Either way an out-of-memory error leaves every
+    chunk updated or untouched; the next step() call finishes the rest. The
+    arithmetic is torch.optim.AdamW's (tested against it).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = True,
-                 chunk_mb: float = 64.0) -> None:
+                 chunk_mb: float = 64.0, fused: bool | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         decoupled=decoupled)
         super().__init__(params, defaults)
         self.chunk_bytes = int(chunk_mb * (1 << 20))
         self._progress: tuple[int, int] | None = None
+        # fused: torch's fused Adam(W) kernel (one launch per chunk, allocation-free, so
+        # it commits the chunk at once); None: wherever the kernel exists.
+        self.fused = fused
+
+    @staticmethod
+    def fused_supported(device: torch.device) -> bool:
+        return device.type in ("cuda", "cpu") and hasattr(torch, "_fused_adamw_")
 
     @property
     def resuming(self) -> bool:
@@ -431,7 +590,9 @@ class Adam(Optimizer):
             chunks = self._chunks([p for p in group["params"] if p.grad is not None])
             for ci in range(start_chunk if gi == start_group else 0, len(chunks)):
                 self._progress = (gi, ci)
-                self._update_chunk(group, chunks[ci])
+                chunk = chunks[ci]
+                fused = self.fused if self.fused is not None else self.fused_supported(chunk[0].device)
+                (self._update_chunk_fused if fused else self._update_chunk)(group, chunk)
         self._progress = None
         return loss
 
@@ -464,6 +625,25 @@ class Adam(Optimizer):
             s["step"], s["exp_avg"], s["exp_avg_sq"] = k, avg, sq
 
 
+    def _update_chunk_fused(self, group: dict, params: list[Tensor]) -> None:
+        """torch's fused Adam(W) kernel, in place. It allocates nothing, so it cannot run
+        out of memory part-way: the launch is itself the commit, and everything that
+        allocates (the step counts as device tensors: fills, no host-to-device copy)
+        comes before it."""
+        beta1, beta2 = group["betas"]
+        states = [self.state[p] for p in params]
+        steps = [s["step"] + 1 for s in states]
+        counts = {k: torch.full((), float(k), dtype=torch.float32, device=params[0].device)
+                  for k in set(steps)}
+        kernel = torch._fused_adamw_ if group["decoupled"] else torch._fused_adam_
+        kernel(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+               [s["exp_avg_sq"] for s in states], [], [counts[k] for k in steps],
+               lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+               eps=group["eps"], amsgrad=False, maximize=False)
+        for s, k in zip(states, steps):
+            s["step"] = k
+
+
 # --------------------------------------------------------------------------
 # Gradient clipping for the Adam family
 
@@ -479,15 +659,27 @@ def clip_grad_norm_(params: Iterable[Tensor], max_norm: float) -> Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
+    return scale_and_clip_(grads, 1.0, max_norm)
+
+
+@torch.no_grad()
+def scale_and_clip_(grads: Sequence[Tensor], factor: float, max_norm: float,
+                    norms: Sequence[Tensor] | None = None) -> Tensor:
+    """``grads *= factor``, then clipped to a global L2 norm of at most ``max_norm``:
+    one norm pass and one multiply (``norms``: the per-tensor norms of ``grads`` when
+    the caller already has them). Everything allocates before the multiply, the only
+    mutation, so an OOM leaves the gradients as they were. Returns the scaled norm
+    before clipping (0-dim, no host sync)."""
     by_device: dict[torch.device, list[Tensor]] = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
     first_device = grads[0].device
-    norms = []
-    for device_grads in by_device.values():
-        norms.extend(n.float().to(first_device) for n in torch._foreach_norm(device_grads))
-    total = torch.linalg.vector_norm(torch.stack(norms))
-    coef = torch.clamp(max_norm / (total + 1.0e-6), max=1.0)
+    if norms is None or len(by_device) > 1:
+        norms = []
+        for device_grads in by_device.values():
+            norms.extend(n.float().to(first_device) for n in torch._foreach_norm(device_grads))
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms])) * factor
+    coef = torch.clamp(max_norm / (total + 1.0e-6), max=1.0) * factor
     for device, device_grads in by_device.items():
         torch._foreach_mul_(device_grads, coef.to(device))
     return total

@@ -196,9 +196,21 @@ class BucketedGradSync:
                 bucket.handle.wait()
                 bucket.handle = None
 
+    def grad_factor(self, factor: float) -> float:
+        """What scale_(factor) multiplies the gradients by (the buckets hold sums)."""
+        return factor
+
     def scale_(self, factor: float) -> None:
-        for bucket in self.buckets:
-            bucket.buffer.mul_(factor)
+        torch._foreach_mul_(self.grad_tensors(), factor)
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """Every gradient, as few tensors as possible (the buckets) for norms and scaling."""
+        return [bucket.buffer for bucket in self.buckets]
+
+    def grad_norms(self) -> None:
+        """The norms of grad_tensors() if known without a pass (never here: the
+        all-reduce changed the buckets after their launch-time norms)."""
+        return None
 
     def _check_views(self) -> None:
         for bucket in self.buckets:
@@ -230,6 +242,9 @@ class LocalGradSync:
         self.on_launch = on_launch
         self._launched = False
         self.check_finite = False
+        # The per-gradient norms the finiteness check took after backward; nothing
+        # changes the gradients before clipping on one rank, which reuses them.
+        self._norms: list[torch.Tensor] | None = None
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -239,6 +254,7 @@ class LocalGradSync:
         for p in self._params:
             p.grad = None
         self._launched = False
+        self._norms = None
 
     def backward_context(self, last_micro_batch: bool):
         return nullcontext()
@@ -252,17 +268,30 @@ class LocalGradSync:
         self._launched = True
 
     def write_grad_norm(self, slot: torch.Tensor) -> None:
-        grads = [p.grad for p in self._params if p.grad is not None]
+        grads = self.grad_tensors()
         if self.check_finite and grads:
-            slot.copy_(torch.stack(torch._foreach_norm(grads)).sum())
+            self._norms = torch._foreach_norm(grads)
+            slot.copy_(torch.stack(self._norms).sum())
 
     def wait(self) -> None:
         pass
 
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._params if p.grad is not None]
+
+    def grad_norms(self) -> list[torch.Tensor] | None:
+        """The norms of grad_tensors() taken by write_grad_norm (None if not taken);
+        valid until something scales the gradients (under GradScaler none are taken)."""
+        return self._norms
+
+    def grad_factor(self, factor: float) -> float:
+        return factor
+
     def scale_(self, factor: float) -> None:
-        grads = [p.grad for p in self._params if p.grad is not None]
+        grads = self.grad_tensors()
         if grads:
             torch._foreach_mul_(grads, factor)
+        self._norms = None
 
     def close(self) -> None:
         pass
@@ -303,9 +332,9 @@ class DdpGradSync:
         return self.ddp if self.ddp is not None else model
 
     def zero_grad(self) -> None:
-        for p in self._params:
-            if p.grad is not None:
-                p.grad.zero_()
+        grads = self.grad_tensors()
+        if grads:
+            torch._foreach_zero_(grads)
 
     def backward_context(self, last_micro_batch: bool):
         """no_sync for all but the last micro-batch (wrap their forward too)."""
@@ -322,12 +351,20 @@ class DdpGradSync:
     def wait(self) -> None:
         pass
 
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._params if p.grad is not None]
+
+    def grad_norms(self) -> None:
+        return None
+
+    def grad_factor(self, factor: float) -> float:
+        """DDP averaged over ranks; the trainer's factor assumes a sum."""
+        return factor * self.world_size
+
     def scale_(self, factor: float) -> None:
-        # DDP averaged over ranks; the trainer's factor assumes a sum.
-        factor = factor * self.world_size
-        for p in self._params:
-            if p.grad is not None:
-                p.grad.mul_(factor)
+        grads = self.grad_tensors()
+        if grads:
+            torch._foreach_mul_(grads, self.grad_factor(factor))
 
     def close(self) -> None:
         pass

@@ -13,9 +13,9 @@ error at *any* allocation, not only at a few named points:
   gradient buckets themselves. So a rank that just failed can always finish
   the protocol the others are in.
 * Updates are transactions. The optimizer (ScaledAdam/Adam, valle.train.optim)
-  computes each parameter's update out of place and commits it with in-place
-  copies; GradScaler's unscale/update and the clipping allocate before they
-  mutate. So an OOM in the update phase is retried locally, resuming where it
+  computes each chunk of parameters' update out of place and commits it with
+  in-place copies (fused AdamW: one kernel that allocates nothing, in place);
+  GradScaler's unscale/update and the clipping allocate before they mutate. So an OOM in the update phase is retried locally, resuming where it
   stopped, and gives the fault-free result. Only if that keeps failing is the
   rank's state "damaged": it says so in the next vote and receives parameters,
   optimizer, scaler and averaged model from the lowest healthy rank, in place.
@@ -65,7 +65,7 @@ from valle.train.batching import (
     to_device,
 )
 from valle.train.dist import DistContext, object_fingerprint, tensor_fingerprint
-from valle.train.optim import clip_grad_norm_
+from valle.train.optim import scale_and_clip_
 from valle.train.resilience.channel import ControlChannel
 from valle.train.resilience.faults import FaultInjector, InjectedOutOfMemoryError
 from valle.train.resilience.memory import (
@@ -527,8 +527,10 @@ class ResilientStep:
         with self.faults.phase_scope("to_device"):
             self.faults.maybe_fail("to_device", ids, self.device)
             on_device = to_device(micro, self.device)
+            # Made on the host and copied without blocking: torch.tensor(..., device=cuda)
+            # would wait for the device (a second host sync per step).
             seeds = torch.tensor([sample_seed(self.cfg.seed, step, c) for c in ids],
-                                 dtype=torch.long, device=self.device)
+                                 dtype=torch.long).to(self.device, non_blocking=True)
         with self.faults.phase_scope("forward"):
             self.faults.maybe_kill()
             self.faults.maybe_stall()
@@ -570,10 +572,13 @@ class ResilientStep:
         met. Retried locally up to `update_retries` times (resuming where it stopped,
         same result as a clean update); after that this rank's state is damaged and
         is repaired at the next vote."""
-        self.sync.scale_(1.0 / max(global_frames, 1))
+        factor = 1.0 / max(global_frames, 1)
+        if self.cfg.grad_clip <= 0:
+            self.sync.scale_(factor)  # in place, allocates nothing
+            factor = 1.0
         done: set[str] = set()
         for tries in range(self.cfg.update_retries + 1):
-            failure = self._guarded(step, lambda: self._update(step, done))
+            failure = self._guarded(step, lambda: self._update(step, done, factor))
             if failure is None:
                 return tries
             if "step started" in done and "step" not in done \
@@ -588,17 +593,21 @@ class ResilientStep:
                        step, self.cfg.update_retries)
         return self.cfg.update_retries + 1
 
-    def _update(self, step: int, done: set[str]) -> None:
+    def _update(self, step: int, done: set[str], factor: float = 1.0) -> None:
         """Unscale, clip, step, scaler update, averaging; each sub-phase at most once.
-        Each allocates before it mutates (the optimizer per parameter), so after an OOM
-        calling this again finishes the update exactly."""
+        Each allocates before it mutates (the optimizer per chunk of parameters), so
+        after an OOM calling this again finishes the update exactly. With clipping, the
+        division by the global frame count (`factor`) happens in the clip's multiply."""
         with self.faults.phase_scope("optimizer"):
             self.faults.maybe_fail("optimizer", None, self.device)
             if self.scaler is not None and "unscale" not in done:
                 self.scaler.unscale_(self.optimizer)
                 done.add("unscale")
             if self.cfg.grad_clip > 0 and "clip" not in done:
-                clip_grad_norm_(self.sync.params, self.cfg.grad_clip)  # on device, no sync
+                # On device, no sync; one norm pass (none on one rank: the finiteness
+                # check's norms are reused) and one multiply.
+                scale_and_clip_(self.sync.grad_tensors(), self.sync.grad_factor(factor),
+                                self.cfg.grad_clip, norms=self.sync.grad_norms())
                 done.add("clip")
             if "step" not in done:
                 done.add("step started")
