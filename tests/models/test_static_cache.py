@@ -119,3 +119,16 @@ def test_cuda_graphs_give_the_same_tokens(case):
         graphed = _decode(model, "cuda", langs, cuda_graphs=True, **options)
         for other_codes, other_lens in (static, graphed):
             assert torch.equal(other_lens, lens) and torch.equal(other_codes, codes)
+
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_fixed_shape_path_that_graphs_replay_gives_the_same_tokens_on_cpu(case, monkeypatch):
+    """--cuda-graphs reads the whole cache buffer every step (masked); without a graph the
+    static cache reads only its written columns. The graph's arithmetic, checked here on
+    CPU by forcing fixed shapes without capturing."""
+    model, langs = _model(case), _languages(case)
+    codes, lens = _decode(model, languages=langs, top_k=1)
+    monkeypatch.setattr(generation, "fixed_shapes", lambda options: True)
+    fixed_codes, fixed_lens = _decode(model, languages=langs, top_k=1, static_cache=True)
+    assert torch.equal(fixed_lens, lens) and torch.equal(fixed_codes, codes)

@@ -333,6 +333,12 @@ def ar_generate(
     return ARResult(gen, lens, scores, ended_on_eos)
 
 
+def fixed_shapes(options: DecodeOptions) -> bool:
+    """Whether the static cache's attention reads its whole buffer every step (what a CUDA
+    graph replays) or only the columns written so far (faster without a graph)."""
+    return options.cuda_graphs
+
+
 def _start_decoding(model, x, text_valid, tokens, positions, audio_valid, n_in, max_new, options):
     """Runs the AR over the text and prompt: (logits of the first frame after the prompt,
     the step that takes each next column's tokens and gives the logits after them)."""
@@ -345,7 +351,7 @@ def _start_decoding(model, x, text_valid, tokens, positions, audio_valid, n_in, 
     cursor = torch.zeros(1, dtype=torch.long, device=device) if static else None
     caches = None
     if options.use_kv_cache:
-        caches = model.ar_decoder.new_caches(prefill + max_new, cursor)
+        caches = model.ar_decoder.new_caches(prefill + max_new, cursor, fixed_shapes(options))
     h = model.ar_core(x, text_valid, model.ar_embed_audio(tokens, positions), audio_valid, caches)
     logits = model.ar_logits(h[:, -1])
     if not static:

@@ -44,14 +44,19 @@ class KVCache:
 class StaticKVCache:
     """Keys/values of one attention layer in buffers of fixed shape (B, H, max_len, Dh).
 
-    New keys are written at column ``cursor`` (a device tensor shared by every layer of a
-    stack; whoever decodes advances it) and attention always reads the whole buffer, the
-    columns not written yet masked out: every decoding step then has the same shapes and
-    no host synchronisation, so a CUDA graph can replay it.
+    With ``fixed_shape`` (for CUDA graphs), new keys are written at column ``cursor`` (a
+    device tensor shared by every layer of a stack; whoever decodes advances it) and
+    attention always reads the whole buffer, the columns not written yet masked out:
+    every decoding step then has the same shapes and no host synchronisation, so a graph
+    can replay it. Without it the cache counts its columns on the host and attention
+    reads only the written ones: the same buffers, never re-allocated or concatenated
+    (what makes it faster than the growing cache), and no attention over empty columns
+    (which a step without a graph would pay for nothing).
     """
 
-    def __init__(self, max_len: int, cursor: torch.Tensor):
-        self.max_len, self.cursor = max_len, cursor
+    def __init__(self, max_len: int, cursor: torch.Tensor, fixed_shape: bool = True):
+        self.max_len, self.cursor, self.fixed_shape = max_len, cursor, fixed_shape
+        self.length = 0  # columns written (tracked when not fixed_shape)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
@@ -62,6 +67,12 @@ class StaticKVCache:
             # and 0 x NaN garbage would be NaN.
             self.k = k.new_zeros(b, h, self.max_len, d)
             self.v = v.new_zeros(b, h, self.max_len, d)
+        if not self.fixed_shape:
+            end = self.length + k.shape[2]
+            self.k[:, :, self.length:end] = k
+            self.v[:, :, self.length:end] = v
+            self.length = end
+            return self.k[:, :, :end], self.v[:, :, :end]
         cols = self.cursor + torch.arange(k.shape[2], device=k.device)
         self.k.index_copy_(2, cols, k)
         self.v.index_copy_(2, cols, v)
@@ -73,8 +84,9 @@ class LayerCache:
 
     With ``cursor`` (a (1,) long tensor) the self-attention cache is a ``StaticKVCache``."""
 
-    def __init__(self, max_len: int, cursor: torch.Tensor | None = None):
-        self.self_attn = KVCache(max_len) if cursor is None else StaticKVCache(max_len, cursor)
+    def __init__(self, max_len: int, cursor: torch.Tensor | None = None, fixed_shape: bool = True):
+        self.self_attn = (KVCache(max_len) if cursor is None
+                          else StaticKVCache(max_len, cursor, fixed_shape))
         self.memory_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -159,8 +171,11 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 k, v = cache.self_attn.append(k, v)
                 if mask is not None and mask.shape[-1] < k.shape[2]:
-                    # A static cache: the columns after the mask's are not written yet.
+                    # A fixed-shape cache: the columns after the mask's are not written yet.
                     mask = F.pad(mask, (0, k.shape[2] - mask.shape[-1]), value=False)
+                elif mask is not None and mask.shape[-1] > k.shape[2]:
+                    # A host-counted static cache: the mask's later columns have no key yet.
+                    mask = mask[..., : k.shape[2]]
         dropout_p = self.dropout if self.training else 0.0
         if probe is not None:
             probe.record(q, k, mask)
@@ -278,9 +293,10 @@ class TransformerStack(nn.Module):
         if norm_first:
             self.final_norm = AdaptiveLayerNorm(dim) if adaptive else nn.LayerNorm(dim)
 
-    def new_caches(self, max_len: int, cursor: torch.Tensor | None = None) -> list[LayerCache]:
+    def new_caches(self, max_len: int, cursor: torch.Tensor | None = None,
+                   fixed_shape: bool = True) -> list[LayerCache]:
         """One cache per layer; with ``cursor``, static ones that all write at it."""
-        return [LayerCache(max_len, cursor) for _ in self.layers]
+        return [LayerCache(max_len, cursor, fixed_shape) for _ in self.layers]
 
     def forward(
         self,
