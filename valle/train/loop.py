@@ -521,12 +521,14 @@ def save(run: Run, name: str, next_epoch: bool = False) -> bool:
     written = not run.ctx.is_main or write_checkpoint(run, path, sampler, next_epoch)
     with run.stepper.faults.phase_scope("checkpoint"):
         written = run.stepper.reduce_counts([float(not written)])[0] == 0
-    if not written:
-        newest = next(iter(readable_checkpoints(run.cfg.exp_dir)), None)
-        logger.error("checkpoint %s was not written (see rank 0's log); training goes on, the "
-                     "next save tries again; the newest good checkpoint is %s", path, newest)
-    elif run.ctx.is_main and name.startswith("checkpoint-"):
-        remove_old_checkpoints(run.cfg.exp_dir, run.cfg.keep_last_k)
+    # Reading checkpoint headers (torch.load, mmap) is host work, not device memory.
+    with run.stepper.faults.host_work():
+        if not written:
+            newest = next(iter(readable_checkpoints(run.cfg.exp_dir)), None)
+            logger.error("checkpoint %s was not written (see rank 0's log); training goes on, "
+                         "the next save tries again; the newest good checkpoint is %s", path, newest)
+        elif run.ctx.is_main and name.startswith("checkpoint-"):
+            remove_old_checkpoints(run.cfg.exp_dir, run.cfg.keep_last_k)
     return written
 
 
