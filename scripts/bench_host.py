@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from valle.train.harness import run_world, values  # noqa: E402
+from tests.support.harness import run_world, values  # noqa: E402
 
 CLOCK = [time.process_time]  # --clock wall: time.perf_counter
 
@@ -79,13 +79,13 @@ def run_bare(size: str, steps: int, batch: int, device: str, profiler=None) -> f
     from valle.train.cli import parse_config
     from valle.train.data import SyntheticData
     from valle.train.dist import init_distributed
-    from valle.train.loop import _model_params
+    from valle.train.loop import model_hparams
 
     with tempfile.TemporaryDirectory() as exp_dir:
         cfg = parse_config(trainer_argv(size, "AdamW", steps + 3, batch, exp_dir, device))
     ctx = init_distributed(device, 120)
     torch.manual_seed(cfg.seed)
-    model = get_model(_model_params(cfg, None)).to(ctx.device)
+    model = get_model(model_hparams(cfg, None)).to(ctx.device)
     params = [p for _, p in model.stage_parameters(0)]
     forward = model
     if ctx.distributed:
