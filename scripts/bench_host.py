@@ -76,10 +76,10 @@ def run_trainer(size: str, optimizer: str, steps: int, batch: int, device: str,
 def run_bare(size: str, steps: int, batch: int, device: str, profiler=None) -> float:
     """Seconds of `steps` bare steps (after 3 warm-up steps), batches drawn up front."""
     from valle.models import get_model
+    from valle.train.build import model_hparams
     from valle.train.cli import parse_config
     from valle.train.data import SyntheticData
     from valle.train.dist import init_distributed
-    from valle.train.loop import model_hparams
 
     with tempfile.TemporaryDirectory() as exp_dir:
         cfg = parse_config(trainer_argv(size, "AdamW", steps + 3, batch, exp_dir, device))

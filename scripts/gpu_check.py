@@ -65,9 +65,9 @@ def check_real_ooms(lines: list[str]) -> None:
 def check_scan_vs_step(lines: list[str]) -> None:
     import torch
 
+    from valle.train.build import build_run
     from valle.train.cli import parse_config
     from valle.train.dist import init_distributed
-    from valle.train.loop import build_run
     from valle.train.resilience.scan import scan_pessimistic_batches
 
     cfg = parse_config(MODEL + ["--exp-dir", str(OUT / "scan"), "--synthetic-data", "64",

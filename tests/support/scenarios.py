@@ -15,8 +15,9 @@ TINY_MODEL = ["--decoder-dim", "32", "--nhead", "2", "--num-decoder-layers", "1"
 
 def train_worker(rank: int, world_size: int, argv: list[str]) -> dict[str, Any]:
     """Run the trainer in this rank; report its summary, final parameters, or its clean failure."""
+    from valle.train.build import StartupError
     from valle.train.cli import parse_config
-    from valle.train.loop import StartupError, train
+    from valle.train.loop import train
     from valle.train.resilience.quarantine import OomNotDataError
     from valle.train.resilience.step import (
         ConsistencyError,

@@ -173,8 +173,8 @@ def _initial_params(cfg: SweepConfig, root: Path) -> dict:
     import torch
 
     from valle.models import get_model
+    from valle.train.build import model_hparams
     from valle.train.cli import parse_config
-    from valle.train.loop import model_hparams
 
     config = parse_config(trainer_argv(root / "initial", cfg, []))
     torch.manual_seed(config.seed)

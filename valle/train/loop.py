@@ -1,13 +1,13 @@
 """The training loop: epochs of resilient steps, validation, logging, checkpoints.
 
 It reads top to bottom: set up, resume, scan, then for every step draw a batch
-and hand it to `ResilientStep.run`. Everything that can fail in a step lives
+and hand it to `ResilientStep.run`. Building the run and resuming it live in
+valle.train.build, writing checkpoints in valle.train.saving. Everything that can fail in a step lives
 in valle.train.resilience.step; this file holds no OOM handling of its own.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
@@ -15,7 +15,6 @@ import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -23,32 +22,28 @@ import torch
 import torch.distributed as dist
 
 from valle.train.batching import Batch, concat_batches
+from valle.train.build import (
+    Run,
+    StartupError,
+    active_scaler,
+    build_run_agreed,
+    control_channel,
+    fault_injector,
+)
 from valle.train.checkpoint import (
     CorruptCheckpointError,
-    apply_stage_switch,
-    find_latest_checkpoint,
-    load_checkpoint,
-    make_payload,
-    readable_checkpoints,
-    remove_old_checkpoints,
-    save_best,
-    save_checkpoint,
 )
 from valle.train.config import TrainConfig
-from valle.train.data import TrainData, build_train_data
-from valle.train.dist import DistContext, init_distributed, shutdown
-from valle.train.metrics import MetricsTracker, TensorBoardLogger, ThroughputMeter, setup_logging
-from valle.train.optim import build_optimizer, build_scheduler
+from valle.train.dist import init_distributed, shutdown
+from valle.train.metrics import MetricsTracker, ThroughputMeter, setup_logging
 from valle.train.preemption import EXIT_PREEMPTED, EXIT_PREEMPTED_NO_CHECKPOINT, Preemption
-from valle.train.resilience.channel import VOTE_SLOTS, ControlChannel
 from valle.train.resilience.faults import FaultInjector
-from valle.train.resilience.gradsync import build_grad_sync
-from valle.train.resilience.memory import OomReporter, configure_allocator
-from valle.train.resilience.quarantine import OomNotDataError, Quarantine
+from valle.train.resilience.memory import configure_allocator
+from valle.train.resilience.quarantine import OomNotDataError
 from valle.train.resilience.scan import BatchTooLargeError, scan_pessimistic_batches
-from valle.train.resilience.step import ResilientStep, StepConfig, StepResult
+from valle.train.resilience.step import StepResult
 from valle.train.samples import write_samples
-from valle.train.watchdog import StallWatchdog
+from valle.train.saving import save, save_best_model
 
 logger = logging.getLogger(__name__)
 
@@ -105,34 +100,6 @@ class TrainSummary:
         return {k: v for k, v in self.__dict__.items() if k != "model_state"}
 
 
-@dataclass
-class Run:
-    """Everything one training run holds."""
-
-    cfg: TrainConfig
-    ctx: DistContext
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    scaler: torch.amp.GradScaler | None
-    averager: Any
-    stepper: ResilientStep
-    data: TrainData
-    quarantine: Quarantine
-    tb: TensorBoardLogger
-    watchdog: StallWatchdog
-    step: int = 0
-    epoch: int = 1
-    best_train: float = math.inf
-    best_valid: float = math.inf
-    scale_warned: bool = False
-    steps_per_epoch: int = 0  # learnt from the first full epoch, for the ETA
-    resumed: bool = False
-    unreadable_total: int = 0  # cuts whose codes could not be read, all ranks, this launch
-    preemption: Preemption = field(default_factory=lambda: Preemption(0.0))
-    samples: Any = None  # valle.train.samples.SampleWriter, made by its first pass (rank 0)
-
-
 def train(cfg: TrainConfig) -> TrainSummary:
     configure_allocator()  # before CUDA initialises
     ctx = init_distributed(cfg.device, cfg.collective_timeout)
@@ -169,63 +136,11 @@ def train(cfg: TrainConfig) -> TrainSummary:
     return summary
 
 
-def control_channel(ctx: DistContext) -> ControlChannel:
-    """The step's vote buffers, with a slot per rank for the set-up vote."""
-    return ControlChannel(ctx, vote_slots=VOTE_SLOTS + ctx.world_size)
-
-
-def fault_injector(cfg: TrainConfig, ctx: DistContext) -> FaultInjector:
-    return FaultInjector(cfg.inject_fault, ctx.rank, real=cfg.inject_fault_real,
-                         stall_seconds=cfg.stall_seconds)
-
-
 def ignore_file_size_signal() -> None:
     """A file size limit (ulimit -f, RLIMIT_FSIZE) then fails a checkpoint write with
     EFBIG, which save() reports and survives, instead of SIGXFSZ killing the process."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-
-
-class StartupError(RuntimeError):
-    """Set-up failed on some rank; every rank stops together instead of waiting."""
-
-
-class SetupOutcome(IntEnum):
-    """What a rank says in the set-up vote (its slot of the vote vector)."""
-
-    OK = 0
-    ERROR = 1
-    OUT_OF_MEMORY = 2
-
-
-def build_run_agreed(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector) -> Run:
-    """build_run, then one vote: if set-up failed on any rank (out of memory building the
-    model or its state, a missing file, ...), every rank stops at once with the reason,
-    rather than the healthy ones waiting for a peer until the collective timeout."""
-    from valle.train.resilience.memory import is_oom_error
-
-    run, error = None, None
-    try:
-        run = build_run(cfg, ctx, faults)
-    except Exception as exc:  # noqa: BLE001 - voted, then re-raised on this rank
-        error = exc
-    outcome = SetupOutcome.OK if error is None else (
-        SetupOutcome.OUT_OF_MEMORY if is_oom_error(error) else SetupOutcome.ERROR)
-    host = [float(SetupOutcome.OK)] * ctx.world_size
-    host[ctx.rank] = float(outcome)
-    votes = [SetupOutcome(round(v)) for v in ctx.channel.reduce(host)]
-    if error is not None:
-        if is_oom_error(error):
-            raise StartupError(f"rank {ctx.rank}: out of memory while setting up (model, "
-                               f"optimizer state, data): {str(error).splitlines()[0]}. Lower "
-                               "the model size or free the device.") from error
-        raise error
-    failed = [r for r, v in enumerate(votes) if v != SetupOutcome.OK]
-    if failed:
-        what = "out of memory" if SetupOutcome.OUT_OF_MEMORY in votes else "an error"
-        raise StartupError(f"set-up failed on rank(s) {failed} ({what}; see their log): "
-                           "every rank stops")
-    return run
 
 
 def train_epochs(run: Run) -> TrainSummary:
@@ -362,222 +277,6 @@ def draw(batches: Iterator[Batch], accumulate: int) -> Batch | None:
     return concat_batches(drawn) if drawn else None
 
 
-# -- construction -------------------------------------------------------------
-
-
-def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None = None) -> Run:
-    from valle.models import get_model
-
-    if ctx.channel is None:  # callers other than train() (GPU checks, benchmarks)
-        ctx.channel = control_channel(ctx)
-    if faults is None:
-        faults = fault_injector(cfg, ctx)
-
-    torch.manual_seed(cfg.seed)
-    payload = find_resume_payload(cfg)
-    architecture, initial_weights = payload, None
-    if payload is None and cfg.start_from:
-        from valle.models.convert import load_model_checkpoint
-
-        # the architecture of the weights we start from, whatever the flags say
-        initial_weights, hparams = load_model_checkpoint(cfg.start_from)
-        architecture = {"config": hparams, "model": {}}
-    model = get_model(model_hparams(cfg, architecture)).to(ctx.device)
-    named = model.stage_parameters(cfg.train_stage)
-    optimizer = build_optimizer(cfg.optimizer_name, named, cfg.base_lr, weight_decay=cfg.weight_decay)
-    scheduler = build_scheduler(cfg.scheduler_name, optimizer, cfg.warmup_steps,
-                                total_steps=cfg.max_steps or None, lr_batches=cfg.lr_batches,
-                                lr_epochs=cfg.lr_epochs,
-                                model_dim=getattr(model, "hparams", {}).get("decoder_dim"))
-    scaler = torch.amp.GradScaler(ctx.device.type, init_scale=cfg.grad_scale_init,
-                                  enabled=cfg.dtype == "float16")
-    averager = None
-    if cfg.average_period > 0:
-        from valle.train.averaging import ModelAverager
-
-        averager = ModelAverager(named, cfg.average_period)
-    sync = build_grad_sync(cfg.grad_sync, model, [p for _, p in named], world_size=ctx.world_size,
-                           device=ctx.device, group=ctx.group, bucket_cap_mb=cfg.bucket_cap_mb)
-    quarantine = Quarantine(cfg.exp_dir / "quarantine.jsonl")
-    if cfg.oom_snapshot and ctx.device.type == "cuda":
-        torch.cuda.memory._record_memory_history(max_entries=100000)
-    stepper = ResilientStep(
-        model, optimizer, sync, ctx,
-        StepConfig(train_stage=cfg.train_stage, dtype=cfg.dtype, seed=cfg.seed,
-                   grad_clip=cfg.grad_clip if cfg.optimizer_name != "ScaledAdam" else 0.0,
-                   backward_reserve_mb=backward_reserve_mb(cfg, ctx),
-                   update_retries=cfg.update_retries, max_quarantined=cfg.max_quarantined_cuts,
-                   max_fitted_before=cfg.max_fitted_before_quarantines),
-        scaler=scaler, averager=averager, faults=faults,
-        reporter=OomReporter(cfg.exp_dir, ctx.rank, cfg.save_oom_batches, cfg.oom_snapshot),
-        quarantine=quarantine, channel=ctx.channel,
-    )
-    # The model's head (a resumed checkpoint's, whatever the flag) must fit the corpus's codebook 0.
-    data = build_train_data(cfg, ctx, ar_codebook_size=model.ar_codebook_size)
-    run = Run(cfg, ctx, model, optimizer, scheduler, scaler, averager, stepper, data, quarantine,
-              TensorBoardLogger(cfg.exp_dir / "tensorboard" / f"stage{cfg.train_stage}", enabled=cfg.tensorboard and ctx.is_main),
-              StallWatchdog(cfg.stall_factor, cfg.stall_min_seconds,
-                            cfg.exp_dir / "log" / f"stall-rank{ctx.rank}.txt", ctx.rank))
-    if payload is not None:
-        # A new stage has a new memory profile: only a same-stage resume skips the scan.
-        run.resumed = not restore(run, payload)
-    elif initial_weights is not None:
-        start_from(run, initial_weights)
-    # After restore: state created from the weights training starts from.
-    stepper.materialize_state()
-    logger.info("model: %.2f M parameters, %.2f M trained in stage %d; grad sync %s; %d rank(s) on %s",
-                sum(p.numel() for p in model.parameters()) / 1e6,
-                sum(p.numel() for _, p in named) / 1e6, cfg.train_stage, cfg.grad_sync,
-                ctx.world_size, ctx.device)
-    return run
-
-
-def model_hparams(cfg: TrainConfig, payload: dict | None):
-    """Model hyper-parameters: the flags, or a checkpoint's when resuming (old
-    checkpoints included: keys they predate take the values they were trained with)."""
-    import argparse
-
-    from valle.models import add_model_arguments
-    from valle.models.convert import ours_hparams
-
-    defaults = argparse.ArgumentParser(add_help=False)
-    add_model_arguments(defaults)
-    values = {**vars(defaults.parse_args([])), **cfg.args}
-    if payload is not None:
-        # Resuming: the architecture is the checkpoint's, whatever the flags say.
-        values.update(ours_hparams(payload.get("config", {}), payload["model"]))
-    return argparse.Namespace(**values)
-
-
-def start_from(run: Run, state: dict[str, torch.Tensor]) -> None:
-    """--start-from: initial weights from a checkpoint (ours or lifeiteng/vall-e's, already
-    converted); the architecture came from it too; optimizer, schedule and data start afresh."""
-    run.model.load_state_dict(state, strict=True)
-    logger.info("initial weights from %s", run.cfg.start_from)
-
-
-def backward_reserve_mb(cfg: TrainConfig, ctx: DistContext) -> int:
-    if cfg.backward_reserve_mb >= 0:
-        return cfg.backward_reserve_mb
-    return 1024 if ctx.device.type == "cuda" and cfg.trains_nar else 0
-
-
-# -- resume and save ------------------------------------------------------------
-
-
-def find_resume_payload(cfg: TrainConfig) -> dict | None:
-    if cfg.start_batch > 0:
-        return load_checkpoint(cfg.exp_dir / f"checkpoint-{cfg.start_batch}.pt")
-    if cfg.start_epoch > 1:
-        return load_checkpoint(cfg.exp_dir / f"epoch-{cfg.start_epoch - 1}.pt")
-    # A stage-2 run in the AR run's directory continues its own checkpoints once it
-    # has some, and starts from the newest AR one (a stage switch) before that.
-    found = find_latest_checkpoint(cfg.exp_dir, prefer_stage=cfg.train_stage)
-    if found is None:
-        return None
-    path, payload = found
-    logger.info("resuming from %s (step %d, epoch %d)", path, payload["step"], payload["epoch"])
-    return payload
-
-
-def restore(run: Run, payload: dict) -> list[str]:
-    """Load a checkpoint into the run; returns what a stage switch dropped."""
-    payload, dropped = apply_stage_switch(payload, run.cfg.train_stage)
-    if dropped:
-        logger.warning("checkpoint was trained in another stage: dropped %s; keeping the weights",
-                       ", ".join(dropped))
-    missing, unexpected = run.model.load_state_dict(payload["model"], strict=False)
-    if missing or unexpected:
-        logger.warning("checkpoint weights: %d missing, %d unexpected keys", len(missing), len(unexpected))
-    if run.averager is not None and payload.get("model_avg") is not None:
-        run.averager.load_from_model_state_dict(payload["model_avg"], strict=False)
-    if payload.get("optimizer") is not None:
-        run.optimizer.load_state_dict(payload["optimizer"])
-    if payload.get("scheduler") is not None:
-        run.scheduler.load_state_dict(payload["scheduler"])
-    if payload.get("scaler") is not None and run.scaler is not None:
-        run.scaler.load_state_dict(payload["scaler"])
-    if payload.get("sampler") is not None:
-        run.data.load_state_dict(payload["sampler"], run.ctx)
-    run.quarantine.merge(payload.get("quarantine") or [])
-    run.step, run.epoch = payload["step"], payload["epoch"]
-    return dropped
-
-
-def save(run: Run, name: str, next_epoch: bool = False) -> bool:
-    """Checkpoint on rank 0 (every rank's sampler position included); True on every rank
-    if it was written.
-
-    The collectives (repair, sampler positions, the outcome) go through the control
-    channel; the write itself is rank 0's local work. An OOM there (the averaged model's
-    copy) frees memory and retries once; a storage error (disk full, I/O error, read-only
-    directory, file size limit) is reported with the path. Either way the run goes on
-    without this file - the older checkpoints are untouched, the next save tries again -
-    and every rank learns the outcome (a preempted run exits accordingly)."""
-    run.stepper.flush()  # repair damaged state first: what we save is what every rank holds
-    with run.stepper.faults.phase_scope("checkpoint"):
-        sampler = run.data.state_dict(run.ctx, next_epoch=next_epoch)
-    path = run.cfg.exp_dir / name
-    written = not run.ctx.is_main or write_checkpoint(run, path, sampler, next_epoch)
-    with run.stepper.faults.phase_scope("checkpoint"):
-        written = run.stepper.reduce_counts([float(not written)])[0] == 0
-    # Reading checkpoint headers (torch.load, mmap) is host work, not device memory.
-    with run.stepper.faults.host_work():
-        if not written:
-            newest = next(iter(readable_checkpoints(run.cfg.exp_dir)), None)
-            logger.error("checkpoint %s was not written (see rank 0's log); training goes on, "
-                         "the next save tries again; the newest good checkpoint is %s", path, newest)
-        elif run.ctx.is_main and name.startswith("checkpoint-"):
-            remove_old_checkpoints(run.cfg.exp_dir, run.cfg.keep_last_k)
-    return written
-
-
-def write_checkpoint(run: Run, path: Path, sampler: dict, next_epoch: bool) -> bool:
-    """Rank 0's write of a checkpoint; False (reported) on an OOM or a storage error."""
-
-    def write() -> None:
-        scaler = active_scaler(run)
-        payload = make_payload(
-            model=run.model.state_dict(),
-            model_avg=averaged_state(run),
-            optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
-            scaler=scaler.state_dict() if scaler is not None else None,
-            sampler=sampler, step=run.step,
-            epoch=run.epoch + 1 if next_epoch else run.epoch,
-            batch_in_epoch=0 if next_epoch else sampler.get("batch_in_epoch", 0),
-            train_stage=run.cfg.train_stage, config=run.cfg.args, quarantine=run.quarantine.state(),
-        )
-        run.stepper.faults.maybe_fail_save(path)
-        logger.info("saved %s", save_checkpoint(path, payload))
-
-    try:
-        return run.stepper.local("checkpoint", write)
-    except OSError as exc:
-        logger.error("could not write checkpoint %s: %s", path, storage_error(exc))
-        return False
-
-
-def storage_error(exc: OSError) -> str:
-    """An OSError as the user needs it: errno name and message, and the file."""
-    name = errno.errorcode.get(exc.errno, "") if exc.errno else ""
-    where = f" ({exc.filename})" if exc.filename else ""
-    return f"{name + ': ' if name else ''}{exc.strerror or exc}{where}"
-
-
-def averaged_state(run: Run) -> dict[str, torch.Tensor] | None:
-    """The averaged model as a full model state dict (None without --average-period)."""
-    return run.averager.averaged_state_dict(run.model) if run.averager else None
-
-
-def save_best_model(run: Run, kind: str) -> None:
-    """best-<kind>-loss.pt (kind: train or valid), the weights only: rank 0's local work."""
-    if not run.ctx.is_main:
-        return
-    run.stepper.local("checkpoint", lambda: save_best(run.cfg.exp_dir, kind, make_payload(
-        model=run.model.state_dict(), model_avg=averaged_state(run), step=run.step,
-        epoch=run.epoch, train_stage=run.cfg.train_stage, config=run.cfg.args)))
-
-
 # -- validation -------------------------------------------------------------------
 
 
@@ -613,11 +312,6 @@ def step_metrics(r: StepResult) -> dict[str, float]:
     values.update(oom_events=r.ooms, retries=r.attempts - 1, quarantined=len(r.cuts_quarantined),
                   skipped_steps=int(r.skipped_nonfinite), repairs=r.repairs)
     return values
-
-
-def active_scaler(run: Run) -> torch.amp.GradScaler | None:
-    """The GradScaler when it scales (--dtype float16), else None."""
-    return run.scaler if run.scaler is not None and run.scaler.is_enabled() else None
 
 
 def grad_scale(run: Run) -> float | None:

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def _stepper(tmp_path, reserve_mb: int = 0, **cfg) -> ResilientStep:
     from valle.models import get_model
-    from valle.train.loop import model_hparams
+    from valle.train.build import model_hparams
 
     config = parse_config(TINY_MODEL + ["--exp-dir", str(tmp_path), "--synthetic-data", "8"])
     torch.manual_seed(0)

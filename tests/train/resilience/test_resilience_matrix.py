@@ -89,8 +89,8 @@ def test_matrix_cell(matrix, phase, world_size, failing):
 def test_clean_runs_train(matrix, tmp_path):
     """The baseline itself must have moved the parameters (else equivalence is vacuous)."""
     from valle.models import get_model
+    from valle.train.build import model_hparams
     from valle.train.cli import parse_config
-    from valle.train.loop import model_hparams
 
     for world_size in WORLD_SIZES:
         clean = matrix[world_size][0]["clean"]
