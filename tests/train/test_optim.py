@@ -10,15 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from valle.train.optim import (
-    CosineScheduler,
-    Eden,
-    NoamScheduler,
-    ScaledAdam,
-    build_optimizer,
-    build_scheduler,
-    clip_grad_norm_,
-)
+from valle.train.optim import ScaledAdam, build_optimizer, clip_grad_norm_
+from valle.train.schedulers import CosineScheduler, Eden, NoamScheduler, build_scheduler
 
 
 def _regression_data(seed: int = 0, n: int = 64):

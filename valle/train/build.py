@@ -20,7 +20,7 @@ from valle.train.config import TrainConfig
 from valle.train.data import TrainData, build_train_data
 from valle.train.dist import DistContext
 from valle.train.metrics import TensorBoardLogger
-from valle.train.optim import build_optimizer, build_scheduler
+from valle.train.optim import build_optimizer
 from valle.train.preemption import Preemption
 from valle.train.resilience.channel import VOTE_SLOTS, ControlChannel
 from valle.train.resilience.faults import FaultInjector
@@ -28,6 +28,7 @@ from valle.train.resilience.gradsync import build_grad_sync
 from valle.train.resilience.memory import OomReporter
 from valle.train.resilience.quarantine import Quarantine
 from valle.train.resilience.step import ResilientStep, StepConfig
+from valle.train.schedulers import build_scheduler
 from valle.train.watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
