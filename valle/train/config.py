@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from valle.args import DTYPE_NAMES, str2bool
+from valle.train.optim import OPTIMIZERS
 from valle.train.resilience.faults import FaultSpec, parse_fault
 from valle.train.resilience.gradsync import SYNC_MODES
 from valle.train.schedulers import SCHEDULERS
@@ -105,7 +106,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     g.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES)
-    g.add_argument("--optimizer-name", default=d.optimizer_name, choices=("ScaledAdam", "AdamW", "Adam"))
+    g.add_argument("--optimizer-name", default=d.optimizer_name, choices=OPTIMIZERS)
     g.add_argument("--scheduler-name", default=d.scheduler_name, choices=SCHEDULERS)
     g.add_argument("--base-lr", type=float, default=d.base_lr)
     g.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
