@@ -8,14 +8,22 @@
 3. The NAR backward reserve on a fragmented pool (expandable segments off):
    does backward still fit with and without the reserve.
 4. The step and model benchmarks on the GPU.
+5. The trainer against a bare training loop at the demo's size, and the same step with
+   16x the audio per step (goal: 16x the audio costs <= 2x the time).
+6. AR decoding at batch 1 and 8: the growing KV cache, the static cache, and the static
+   step captured in a CUDA graph (`--cuda-graphs`), at the paper's size in bf16.
 
-Results go to $OUT/gpu-check.md (or ./out/gpu-check.md).
+Results go to $OUT/gpu-check.md (or ./out/gpu-check.md). `--device cpu --quick` runs
+items 5 and 6 at tiny sizes on the CPU (a smoke test of the script; the CUDA-only items
+say they were skipped), so a drawn device only has to run it.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -146,6 +154,76 @@ def check_reserve(lines: list[str]) -> None:
     lines.append("")
 
 
+def check_host_overhead(lines: list[str], device: str, quick: bool) -> None:
+    """bin/trainer.py's marginal step time against a bare zero_grad/forward/backward/AdamW
+    loop on the same model and batches (scripts/bench_host.py), at the demo's size, with
+    the demo's 8 cuts per step and with 16x that: is the GPU filled, or host-bound?"""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_host
+
+    bench_host.CLOCK[0] = time.perf_counter  # wall time: the GPU works asynchronously
+    size, batches, steps = ("tiny", (2, 32), 2) if quick else ("demo", (8, 128), 20)
+    results = {}
+    for batch in batches:
+        args = argparse.Namespace(batch=batch, device=device, threads=1, repeats=1 if quick else 3,
+                                  steps={size: steps})
+        results[batch] = bench_host.one_rank(args, size)
+    small, large = batches
+    lines += [f"## Trainer vs bare loop ({size} model, synthetic data, {device}, fp32)", "",
+              "| cuts per step | variant | ms/step | vs bare loop |", "|---|---|---|---|"]
+    for batch, times in results.items():
+        base = times["bare loop (torch AdamW)"]
+        for name, t in times.items():
+            lines.append(f"| {batch} | {name} | {t * 1e3:.2f} | {t / base:.3f}x |")
+    trainer = "trainer, AdamW"
+    ratio = results[large][trainer] / results[small][trainer]
+    lines += ["", f"{large // small}x the audio per step costs {ratio:.2f}x the step time "
+              "(goal on a GPU: <= 2x, i.e. the demo's batch leaves the GPU mostly idle and "
+              "larger batches are nearly free)", ""]
+
+
+def check_decoding(lines: list[str], device: str, quick: bool) -> None:
+    """AR decoding frames/s at batch 1 and 8: growing cache, static cache, CUDA graphs."""
+    import torch
+
+    from valle.models import MODEL_DEFAULTS, NUM_AUDIO_TOKENS, get_model
+    from valle.models.generation import DecodeOptions, ar_generate
+
+    dims = dict(decoder_dim=64, nhead=4, num_decoder_layers=2) if quick else dict(
+        decoder_dim=1024, nhead=16, num_decoder_layers=12)
+    frames, prompt_frames, text_len = (40, 30, 20) if quick else (600, 225, 60)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    model = get_model(argparse.Namespace(**{**MODEL_DEFAULTS, **dims, "dropout": 0.0}))
+    model = model.to(device=device, dtype=dtype).eval()
+    modes = {"growing KV cache": {}, "static cache": {"static_cache": True}}
+    if device == "cuda":
+        modes["static cache + CUDA graph"] = {"cuda_graphs": True}
+    lines += [f"## AR decoding ({dims['decoder_dim']} dim, {dims['num_decoder_layers']} layers, "
+              f"{str(dtype).split('.')[-1]}, {frames} frames after a {prompt_frames}-frame prompt)",
+              "", "| batch | mode | s | frames/s | x real time |", "|---|---|---|---|---|"]
+    g = torch.Generator().manual_seed(1)
+    for batch in (1, 8):
+        text = torch.randint(4, 200, (batch, text_len), generator=g).to(device)
+        prompt = torch.randint(0, NUM_AUDIO_TOKENS, (batch, prompt_frames), generator=g).to(device)
+        lens = torch.full((batch,), text_len, device=device)
+        prompt_lens = torch.full((batch,), prompt_frames, device=device)
+        for name, extra in modes.items():
+            options = DecodeOptions(seed=0, force_len=frames, **extra)
+            times = []
+            with torch.no_grad():
+                for _ in range(1 if quick else 3):  # the first also warms up / captures
+                    start = time.perf_counter()
+                    ar_generate(model, text, lens, prompt, prompt_lens, options)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - start)
+            t = statistics.median(times[1:] or times)
+            rate = batch * frames / t
+            lines.append(f"| {batch} | {name} | {t:.3f} | {rate:.0f} | {rate / 75:.1f} |")
+    lines.append("")
+
+
 def run_bench(lines: list[str], script: str, *args: str) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True,
                           text=True, timeout=600)
@@ -155,21 +233,40 @@ def run_bench(lines: list[str], script: str, *args: str) -> None:
 def main() -> None:
     import torch
 
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (the CPU smoke test)")
+    args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    if not torch.cuda.is_available():
-        print("gpu-check: no CUDA device visible; nothing to do", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu-check: no CUDA device visible; nothing to do (--device cpu --quick: the "
+              "script's smoke test)", file=sys.stderr)
         sys.exit(1)
-    lines = ["# GPU check", "", f"{torch.cuda.get_device_name()} — torch {torch.__version__} — "
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    lines = ["# GPU check", "", f"{name} — torch {torch.__version__} — "
              f"{time.strftime('%Y-%m-%d')}", ""]
-    for check in (check_real_ooms, check_scan_vs_step, check_reserve):
+
+    def run_check(check, *extra) -> None:
+        started = time.monotonic()
         try:
-            check(lines)
+            check(lines, *extra)
         except Exception as exc:  # noqa: BLE001 - one failed check must not hide the others
-            lines += [f"## {check.__name__} failed: {type(exc).__name__}: {exc}", ""]
+            lines.extend([f"## {check.__name__} failed: {type(exc).__name__}: {exc}", ""])
+        lines.append(f"({check.__name__}: {time.monotonic() - started:.0f} s)\n")
         (OUT / "gpu-check.md").write_text("\n".join(lines))
-    run_bench(lines, "bench_step.py", "--device", "cuda", "--dim", "1024", "--layers", "12",
-              "--batch", "16", "--text", "100", "--frames", "600")
-    run_bench(lines, "bench_models.py", "--device", "cuda")
+
+    if args.device == "cuda":
+        for check in (check_real_ooms, check_scan_vs_step, check_reserve):
+            run_check(check)
+    else:
+        lines += ["(real OOMs, scan peak and backward reserve need CUDA: skipped)", ""]
+    run_check(check_host_overhead, args.device, args.quick)
+    run_check(check_decoding, args.device, args.quick)
+    if args.device == "cuda":
+        run_bench(lines, "bench_step.py", "--device", "cuda", "--dim", "1024", "--layers", "12",
+                  "--batch", "16", "--text", "100", "--frames", "600")
+        run_bench(lines, "bench_models.py", "--device", "cuda")
     (OUT / "gpu-check.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
