@@ -165,7 +165,7 @@ def check_host_overhead(lines: list[str], device: str, quick: bool) -> None:
     size, batches, steps = ("tiny", (2, 32), 2) if quick else ("demo", (8, 128), 20)
     results = {}
     for batch in batches:
-        args = argparse.Namespace(batch=batch, device=device, threads=1, repeats=1 if quick else 3,
+        args = argparse.Namespace(batch=batch, device=device, threads=1, repeats=1,
                                   steps={size: steps})
         results[batch] = bench_host.one_rank(args, size)
     small, large = batches
