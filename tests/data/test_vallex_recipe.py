@@ -118,7 +118,9 @@ def test_run_sh_trains_vallex_with_two_languages(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "egs/vallex/run.sh"), "--python", str(fake), "--nproc", "1"],
                           env=dict(os.environ), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    launches = [line for line in proc.stdout.splitlines() if line.startswith("LAUNCH")]
+    # the trainer launches (egs/train.sh --dtype auto also asks python whether CUDA is there)
+    launches = [line for line in proc.stdout.splitlines()
+                if line.startswith("LAUNCH -m torch.distributed.run")]
     assert len(launches) == 2  # AR, then NAR
     for line in launches:
         assert "--dataset vallex" in line and "--num-languages 2" in line and "--languages en-us,cmn" in line
