@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from tests.support.harness import clean_launch_env
+from tests.support.logs import trained_cut_launches
 from tests.support.scenarios import TINY_MODEL
 
 pytestmark = [pytest.mark.multiproc]
@@ -67,21 +68,6 @@ def output(proc: subprocess.CompletedProcess) -> str:
     return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
 
 
-def trained_cuts(exp_dir: Path, rank: int) -> list[list[tuple[int, list[str]]]]:
-    """The trained-cuts log split into launches (the log is appended by each launch:
-    a launch begins where the step index stops increasing)."""
-    launches: list[list[tuple[int, list[str]]]] = []
-    previous = None
-    for line in (exp_dir / f"trained-cuts-rank{rank}.tsv").read_text().splitlines():
-        step_text, _, ids = line.partition("\t")
-        step = int(step_text)
-        if previous is None or step <= previous:
-            launches.append([])
-        launches[-1].append((step, ids.split(",") if ids else []))
-        previous = step
-    return launches
-
-
 def summary(exp_dir: Path) -> dict:
     return json.loads((exp_dir / "summary-rank0.json").read_text())
 
@@ -112,10 +98,10 @@ def test_killed_rank_resumes_exactly(tmp_path):
     assert resumed == [(str(last_ckpt), str(last_ckpt))] * 2, (resumed, output(killed))
 
     for rank in (0, 1):
-        reference = trained_cuts(clean_dir, rank)
+        reference = trained_cut_launches(clean_dir, rank)
         assert len(reference) == 1
         reference = reference[0]
-        launches = trained_cuts(killed_dir, rank)
+        launches = trained_cut_launches(killed_dir, rank)
         assert len(launches) == 2, f"rank {rank}: expected two launches, got {len(launches)}"
         first, second = launches
         # First launch: steps 0 .. KILL_STEP-1 (killed inside KILL_STEP); second: from
@@ -219,7 +205,7 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path):
     assert re.search(r"WARNING.*checkpoint-4\.pt.*(unreadable|corrupt)", logs), output(second)
     assert re.search(r"resuming from \S*checkpoint-2\.pt \(step 2,", logs), output(second)
     assert summary(exp)["steps"] == 6
-    launches = trained_cuts(exp, 0)
+    launches = trained_cut_launches(exp, 0)
     assert [[s for s, _ in launch] for launch in launches] == [[0, 1, 2, 3], [2, 3, 4, 5]]
     # Steps 2 and 3 are re-trained with the same batches as before.
     assert launches[1][:2] == launches[0][2:]

@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from tests.support.harness import clean_launch_env
+from tests.support.logs import trained_cut_launches
 from tests.support.scenarios import TINY_MODEL
 from valle.train.preemption import EXIT_PREEMPTED, EXIT_PREEMPTED_NO_CHECKPOINT
 
@@ -104,20 +105,6 @@ def worker_pid(launcher_pid: int, rank: int) -> int:
     raise AssertionError(f"no worker with RANK={rank} under pid {launcher_pid}")
 
 
-def trained_steps(exp_dir: Path, rank: int) -> list[list[tuple[int, str]]]:
-    """The trained-cuts log split into launches (each launch appends)."""
-    launches: list[list[tuple[int, str]]] = []
-    previous = None
-    for line in (exp_dir / f"trained-cuts-rank{rank}.tsv").read_text().splitlines():
-        step_text, _, ids = line.partition("\t")
-        step = int(step_text)
-        if previous is None or step <= previous:
-            launches.append([])
-        launches[-1].append((step, ids))
-        previous = step
-    return launches
-
-
 def assert_same_final_state(reference_dir: Path, resumed_dir: Path) -> None:
     final = f"epoch-{NUM_EPOCHS}.pt"
     a = torch.load(reference_dir / final, map_location="cpu", weights_only=False)
@@ -147,7 +134,7 @@ def assert_no_step_redone(reference_dir: Path, resumed_dir: Path, stopped_after:
     stops = re.findall(r"preempted: stopped after step (\d+)", first_launch)
     assert stops == [str(stopped_after + 1)] * 2  # both ranks, after the same step
     for rank in (0, 1):
-        assert trained_steps(resumed_dir, rank) == trained_steps(reference_dir, rank)
+        assert trained_cut_launches(resumed_dir, rank) == trained_cut_launches(reference_dir, rank)
 
 
 @pytest.fixture(scope="module")
@@ -233,9 +220,13 @@ def test_grace_shorter_than_the_step_in_flight_exits_18_and_writes_nothing(tmp_p
     took = time.monotonic() - signalled
     text = log.read_text()
     assert took < 10, f"{took:.1f} s: the deadline did not cut the 30 s step short"
-    assert text.count("the grace period") == 2, text[-4000:]
-    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)
-    assert codes and set(codes) == {str(EXIT_PREEMPTED_NO_CHECKPOINT)}, text[-3000:]
+    # The stalled rank stops at its deadline (18). Its peer, signalled too, either reaches
+    # its own deadline (18) or first sees the stalled rank's connection close (14): a race
+    # with the same outcome, nothing written.
+    assert "(1/2) preemption: the grace period" in text, text[-4000:]
+    codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", text))
+    assert str(EXIT_PREEMPTED_NO_CHECKPOINT) in codes, text[-3000:]
+    assert codes <= {str(EXIT_PREEMPTED_NO_CHECKPOINT), "14"}, text[-3000:]
     # Nothing new: the periodic checkpoints of steps 2 and 4 only, no temporary file left
     # that a resume could pick.
     assert sorted(p.name for p in exp.glob("checkpoint-*.pt")) == ["checkpoint-2.pt",
