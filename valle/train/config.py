@@ -47,6 +47,8 @@ class TrainConfig:
     log_interval: int = 10
     tensorboard: bool = True
     log_trained_cuts: bool = False
+    compile: bool = False  # torch.compile the training forward + loss (valle.train.compile)
+    compile_pad: int = 32  # --compile: pad text/frames to multiples of this (fewer shapes)
     # resilience
     grad_sync: str = "overlap"
     bucket_cap_mb: float = 25.0
@@ -119,6 +121,12 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard", type=str2bool, default=d.tensorboard)
     g.add_argument("--log-trained-cuts", type=str2bool, default=d.log_trained_cuts,
                    help="append each step's cut ids to <exp-dir>/trained-cuts-rank<R>.tsv")
+    g.add_argument("--compile", type=str2bool, nargs="?", const=True, default=d.compile,
+                   help="torch.compile the training forward and loss (and so its backward); "
+                        "the first step compiles (minutes on CPU), for CUDA (docs/training.md)")
+    g.add_argument("--compile-pad", type=int, default=d.compile_pad,
+                   help="--compile: pad text and frames to multiples of this so bucketed "
+                        "lengths do not recompile (masks keep the loss exact); 1: no padding")
 
     r = parser.add_argument_group("resilience")
     r.add_argument("--grad-sync", default=d.grad_sync, choices=SYNC_MODES)
@@ -194,6 +202,8 @@ def validate_config(cfg: TrainConfig) -> None:
         logger.warning(
             "--dtype float16 on CPU: slow, meant for testing the GradScaler path "
             "(use bfloat16 or float32 to train on CPU)")
+    if cfg.compile_pad < 1:
+        bad("--compile-pad", "must be >= 1")
     if cfg.save_every_n < 1 or cfg.valid_interval < 1 or cfg.log_interval < 1:
         bad("--save-every-n/--valid-interval/--log-interval", "must be >= 1")
     for spec in cfg.inject_fault:

@@ -30,6 +30,7 @@ from valle.train.checkpoint import (
     save_best,
     save_checkpoint,
 )
+from valle.train.compile import TrainingCompiler, attach_compiler, compile_note
 from valle.train.config import TrainConfig
 from valle.train.data import TrainData, build_train_data
 from valle.train.dist import DistContext, init_distributed, shutdown
@@ -118,6 +119,7 @@ class Run:
     steps_per_epoch: int = 0  # learnt from the first full epoch, for the ETA
     resumed: bool = False
     preemption: Preemption = field(default_factory=lambda: Preemption(0.0))
+    compiler: TrainingCompiler | None = None  # --compile
 
 
 def train(cfg: TrainConfig) -> TrainSummary:
@@ -143,6 +145,8 @@ def train(cfg: TrainConfig) -> TrainSummary:
             summary = train_epochs(run)
         finally:
             run.watchdog.close()
+            if run.compiler is not None:
+                run.compiler.close()
             run.tb.close()
             run.stepper.sync.close()
     finally:
@@ -274,8 +278,8 @@ def train_epochs(run: Run) -> TrainSummary:
         if stopping:  # the epoch's own checkpoint is the one to resume from
             return preempted(run, summary, account=None)
     run.stepper.flush()
-    logger.info("done: %d steps, last logged loss %.4f; checkpoints, logs and TensorBoard in %s",
-                run.step, summary.final_loss, run.cfg.exp_dir)
+    logger.info("done: %d steps, last logged loss %.4f; checkpoints, logs and TensorBoard in %s%s",
+                run.step, summary.final_loss, run.cfg.exp_dir, compile_note(run.compiler))
     summary.steps = run.step
     run.stepper.local("summary", lambda: summary.fingerprints.update(run.stepper.fingerprints()))
     summary.model_state = run.model.state_dict()
@@ -363,6 +367,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
         run.resumed = not restore(run, payload)
     elif initial_weights is not None:
         start_from(run, initial_weights)
+    if cfg.compile:
+        run.compiler = attach_compiler(stepper, run.watchdog, cfg.compile_pad)
     # After restore: state created from the weights training starts from.
     stepper.materialize_state()
     logger.info("model: %.2f M parameters, %.2f M trained in stage %d; grad sync %s; %d rank(s) on %s",
@@ -568,10 +574,11 @@ def log_progress(run: Run, totals: MetricsTracker, meter: ThroughputMeter) -> No
             parts.append(f"{head} {values[head + '_loss']:.4f} top10 {values[head + '_top10_acc']:.3f}")
     logger.info(
         "epoch %d step %d | %s | lr %.2e | %s | ETA %s | ooms %d retries %d quarantined %d "
-        "skipped %d%s",
+        "skipped %d%s%s",
         run.epoch, run.step, " | ".join(parts), lr, meter, eta, int(values.get("oom_events", 0)),
         int(values.get("retries", 0)), int(values.get("quarantined", 0)),
         int(values.get("skipped_steps", 0)), f" | grad scale {scale:.3g}" if scale else "",
+        compile_note(run.compiler),
     )
     run.tb.scalars(run.step, {**values, "lr": lr, "grad_scale": scale, "it_per_s": meter.rate,
                               "step_time_s": 1.0 / meter.rate if meter.rate else None,
