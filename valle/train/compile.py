@@ -123,10 +123,12 @@ class TrainingCompiler:
         self.listeners: list[Pausable] = []
         self._compiled: dict[tuple[int, int], Callable[..., Any]] = {}
         self._calls = 0  # compiled calls that finished
-        self._announced = False
         self._started: float | None = None
         self._lock = threading.Lock()
         self._installed = False
+        # Now, not in the first step: importing torch._dynamo takes seconds, and the
+        # stall watchdog is only paused once a compile has started.
+        self._install_callbacks()
 
     # -- the hook ResilientStep calls --------------------------------------------
 
@@ -135,40 +137,54 @@ class TrainingCompiler:
         def forward(*args: Any, train_stage: int = 0, **kwargs: Any) -> Any:
             if not (module.training and torch.is_grad_enabled()):
                 return module(*args, train_stage=train_stage, **kwargs)
-            return self._call_compiled(self._compiled_for(module, train_stage), args, kwargs)
+            return self._call_compiled(module, train_stage, args, kwargs)
 
         return forward
 
-    def _compiled_for(self, module: nn.Module, train_stage: int) -> Callable[..., Any]:
-        """The compiled forward of `module` in `train_stage`, made once. The stage is a
-        constant of the compiled code, not an input: as an input dynamo would make the
-        int symbolic after the first change and compile one graph for all stages."""
-        key = (id(module), train_stage)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            self._install_callbacks()
-
-            def training_forward(*args: Any, **kwargs: Any) -> Any:
-                return module(*args, train_stage=train_stage, **kwargs)
-
-            compiled = torch.compile(training_forward, backend=self.backend, mode=self.mode,
-                                     dynamic=None if self.dynamic else False)
-            self._compiled[key] = compiled
-        return compiled
-
-    def _call_compiled(self, compiled: Callable[..., Any], args: tuple,
+    def _call_compiled(self, module: nn.Module, train_stage: int, args: tuple,
                        kwargs: dict[str, Any]) -> Any:
         args, kwargs = pad_inputs(args, kwargs, self.pad_multiple)
         if self.dynamic:
             mark_time_dynamic(args, kwargs)
         self.stats.shapes.add((*args[_TEXT].shape, *args[_AUDIO].shape))
-        if not self._announced:
-            self._announced = True
+        compiled = self._compiled.get((id(module), train_stage))
+        if compiled is not None:
+            out = compiled(*args, **kwargs)
+        else:
+            # Making the compiled callable and its first call set up dynamo and the
+            # backend (imports, seconds) before any compile callback: all of it is
+            # compile time for the watchdog.
             logger.info("--compile: compiling the training forward, loss and backward (first "
                         "step; minutes on CPU, the stall watchdog is paused meanwhile)")
-        out = compiled(*args, **kwargs)
+            self._pause()
+            try:
+                compiled = self._compile(module, train_stage)
+                out = compiled(*args, **kwargs)
+            finally:
+                self._resume()
+            self._compiled[(id(module), train_stage)] = compiled
         self._calls += 1
         return out
+
+    def _compile(self, module: nn.Module, train_stage: int) -> Callable[..., Any]:
+        """The compiled forward of `module` in `train_stage`. The stage is a constant of
+        the compiled code, not an input: as an input dynamo would make the int symbolic
+        after the first change and compile one graph for all stages."""
+        self._install_callbacks()  # again after a close()
+
+        def training_forward(*args: Any, **kwargs: Any) -> Any:
+            return module(*args, train_stage=train_stage, **kwargs)
+
+        return torch.compile(training_forward, backend=self.backend, mode=self.mode,
+                             dynamic=None if self.dynamic else False)
+
+    def _pause(self) -> None:
+        for listener in self.listeners:
+            listener.pause()
+
+    def _resume(self) -> None:
+        for listener in self.listeners:
+            listener.resume()
 
     # -- compile events ------------------------------------------------------------
 
@@ -208,16 +224,14 @@ class TrainingCompiler:
         if self._calls > 0 and not lazy_backward:
             logger.info("--compile: recompiling (a new input shape or guard; %s)",
                         self.stats.summary())
-        for listener in self.listeners:
-            listener.pause()
+        self._pause()
 
     def _on_end(self, args: Any) -> None:
         with self._lock:
             if self._started is not None:
                 self.stats.seconds += time.monotonic() - self._started
                 self._started = None
-        for listener in self.listeners:
-            listener.resume()
+        self._resume()
 
 
 def compile_callback_handler() -> Any:
@@ -235,10 +249,11 @@ def compile_callback_handler() -> Any:
     return handler
 
 
-def attach_compiler(step: Any, watchdog: Pausable | None, pad_multiple: int) -> TrainingCompiler:
+def attach_compiler(step: Any, watchdog: Pausable | None, pad_multiple: int,
+                    backend: str = "inductor") -> TrainingCompiler:
     """--compile: make `step` (a ResilientStep) call its model through a TrainingCompiler
     whose compiles pause `watchdog`; returns the compiler (its stats are logged)."""
-    compiler = TrainingCompiler(pad_multiple=pad_multiple)
+    compiler = TrainingCompiler(pad_multiple=pad_multiple, backend=backend)
     if watchdog is not None:
         compiler.listeners.append(watchdog)
     step.wrap_forward = compiler.wrap

@@ -49,6 +49,7 @@ class TrainConfig:
     log_trained_cuts: bool = False
     compile: bool = False  # torch.compile the training forward + loss (valle.train.compile)
     compile_pad: int = 32  # --compile: pad text/frames to multiples of this (fewer shapes)
+    compile_backend: str = "inductor"  # tests use aot_eager (same graphs, no code generation)
     # resilience
     grad_sync: str = "overlap"
     bucket_cap_mb: float = 25.0
@@ -127,6 +128,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-pad", type=int, default=d.compile_pad,
                    help="--compile: pad text and frames to multiples of this so bucketed "
                         "lengths do not recompile (masks keep the loss exact); 1: no padding")
+    g.add_argument("--compile-backend", default=d.compile_backend, help=argparse.SUPPRESS)
 
     r = parser.add_argument_group("resilience")
     r.add_argument("--grad-sync", default=d.grad_sync, choices=SYNC_MODES)

@@ -48,6 +48,7 @@ class StallWatchdog:
         # Time the running step spent paused (a torch.compile: --compile), not counted.
         self._paused_since: float | None = None
         self._paused_total = 0.0
+        self._pause_depth = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="stall-watchdog", daemon=True)
         self._thread.start()
@@ -67,14 +68,18 @@ class StallWatchdog:
             self._started = None
 
     def pause(self) -> None:
-        """Stop the running step's clock (a compile: legitimately long, and no hang)."""
+        """Stop the running step's clock (a compile: legitimately long, and no hang).
+        Pauses nest: the clock runs again when every pause was resumed."""
+        self._pause_depth += 1
         if self._paused_since is None:
             self._paused_since = time.monotonic()
 
     def resume(self) -> None:
-        since, self._paused_since = self._paused_since, None
-        if since is not None:
-            self._paused_total += time.monotonic() - since
+        self._pause_depth = max(0, self._pause_depth - 1)
+        if self._pause_depth == 0:
+            since, self._paused_since = self._paused_since, None
+            if since is not None:
+                self._paused_total += time.monotonic() - since
 
     def age(self) -> float:
         """Seconds the running step has run, paused time excluded (0 between steps)."""
