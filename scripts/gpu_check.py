@@ -8,12 +8,18 @@
 3. The NAR backward reserve on a fragmented pool (expandable segments off):
    does backward still fit with and without the reserve.
 4. The step and model benchmarks on the GPU.
+5. --compile: real OOMs inside the compiled forward/backward recovered, and steps/s
+   eager vs --compile at the demo size (scripts/bench_compile.py).
+
+`--device cpu`: a smoke run of the device-agnostic checks (5, tiny sizes) on a machine
+without a GPU, so the script itself is tested; its numbers mean nothing.
 
 Results go to $OUT/gpu-check.md (or ./out/gpu-check.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -28,8 +34,9 @@ MODEL = ["--decoder-dim", "512", "--nhead", "8", "--num-decoder-layers", "6", "-
          "--device", "cuda", "--tensorboard", "false"]
 
 
-def trainer(exp: Path, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "bin/trainer.py"), *MODEL, "--exp-dir", str(exp),
+def trainer(exp: Path, *extra: str, timeout: int = 300, model: list[str] = MODEL
+            ) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "bin/trainer.py"), *model, "--exp-dir", str(exp),
            "--synthetic-data", "64", "--synthetic-batch-size", "16", "--num-epochs", "1",
            "--log-interval", "1", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -146,22 +153,64 @@ def check_reserve(lines: list[str]) -> None:
     lines.append("")
 
 
+def check_compile_real_ooms(lines: list[str], device: str = "cuda") -> None:
+    """--compile at the demo size: a real OOM in the forward phase and one inside the compiled
+    backward (--inject-fault-real fills the GPU, so the compiled backward's own allocations
+    fail); the run must finish every step with nothing lost and consistent state."""
+    exp = OUT / "compile-real-oom"
+    model = ["--decoder-dim", "128", "--nhead", "4", "--num-decoder-layers", "2", "--dropout", "0",
+             "--device", device, "--tensorboard", "false"]
+    real = ["--inject-fault-real", "true"] if device == "cuda" else []
+    proc = trainer(exp, "--compile", "--inject-fault", "forward@1", "--inject-fault", "backward@2",
+                   *real, "--max-steps", "4", "--check-consistency-every", "1", "--oom-check",
+                   "false", model=model, timeout=900)
+    summary = exp / "summary-rank0.json"
+    data = json.loads(summary.read_text()) if summary.exists() else {"steps": None, "epochs": [{}]}
+    epoch = (data.get("epochs") or [{}])[0]
+    compile_lines = [x for x in proc.stderr.splitlines() + proc.stdout.splitlines()
+                     if "compile:" in x and "done:" in x]
+    lines += ["## --compile: real OOMs in the forward phase and inside the compiled backward", "",
+              f"exit code {proc.returncode}, steps {data['steps']} (expected 4); cuts drawn "
+              f"{epoch.get('cuts_drawn')} = trained {epoch.get('cuts_trained')} + quarantined "
+              f"{epoch.get('cuts_quarantined')} + skipped {epoch.get('cuts_skipped')}; OOM events "
+              f"{epoch.get('oom_events')}", "",
+              (compile_lines[-1].split("|")[-1].strip() if compile_lines else "no compile note"), ""]
+    if proc.returncode:
+        lines += ["```", proc.stderr[-3000:], "```", ""]
+
+
 def run_bench(lines: list[str], script: str, *args: str) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True,
                           text=True, timeout=600)
     lines += [f"## {script} {' '.join(args)}", "", proc.stdout[-6000:] or proc.stderr[-3000:], ""]
 
 
+def cpu_smoke() -> None:
+    """`--device cpu`: the compile checks at tiny sizes, to test this script without a GPU."""
+    lines = ["# GPU check, CPU smoke run (numbers mean nothing)", ""]
+    check_compile_real_ooms(lines, device="cpu")
+    run_bench(lines, "bench_compile.py", "--device", "cpu", "--sizes", "tiny", "--blocks", "1",
+              "--block-steps", "2")
+    (OUT / "gpu-check-cpu-smoke.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
 def main() -> None:
     import torch
 
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
+    if args.device == "cpu":
+        cpu_smoke()
+        return
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device visible; nothing to do", file=sys.stderr)
         sys.exit(1)
     lines = ["# GPU check", "", f"{torch.cuda.get_device_name()} — torch {torch.__version__} — "
              f"{time.strftime('%Y-%m-%d')}", ""]
-    for check in (check_real_ooms, check_scan_vs_step, check_reserve):
+    for check in (check_real_ooms, check_scan_vs_step, check_reserve, check_compile_real_ooms):
         try:
             check(lines)
         except Exception as exc:  # noqa: BLE001 - one failed check must not hide the others
@@ -170,6 +219,7 @@ def main() -> None:
     run_bench(lines, "bench_step.py", "--device", "cuda", "--dim", "1024", "--layers", "12",
               "--batch", "16", "--text", "100", "--frames", "600")
     run_bench(lines, "bench_models.py", "--device", "cuda")
+    run_bench(lines, "bench_compile.py", "--device", "cuda", "--sizes", "demo")
     (OUT / "gpu-check.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
