@@ -292,3 +292,27 @@ def test_allocation_injector_runs_the_compiled_model_eagerly(tmp_path, caplog):
     assert summary.steps == 2 and summary.epochs[0]["oom_events"] == 1
     assert not summary.unfired_faults
     assert compile_counts(caplog) == (0, 0)
+
+
+@pytest.mark.multiproc
+def test_two_ranks_compiled_with_bucket_hooks_or_ddp_match_eager(tmp_path):
+    """Gradient sync around compiled graphs: the buckets' per-parameter hooks (overlap) and
+    torch DDP (whose forward dynamo traces) give the eager run's parameters, with a named
+    forward fault on rank 1 voted and retried by both ranks."""
+    from tests.support.harness import run_world, values
+    from tests.support.scenarios import train_worker
+
+    def argv(name: str, *extra: str) -> list[str]:
+        return TINY_MODEL + ["--exp-dir", str(tmp_path / name), "--synthetic-data", "32",
+                             "--synthetic-batch-size", "8", "--num-epochs", "1",
+                             "--max-steps", "3", "--check-consistency-every", "1",
+                             "--compile-backend", "aot_eager", "--inject-fault", "forward@1:1",
+                             *extra]
+
+    eager = values(run_world(train_worker, 2, argv("eager"), timeout=300))
+    for name, extra in (("overlap", ["--compile"]), ("ddp", ["--compile", "--grad-sync", "ddp"])):
+        compiled = values(run_world(train_worker, 2, argv(name, *extra), timeout=300))
+        assert compiled[0]["summary"]["steps"] == 3, name
+        for key, value in eager[0]["params"].items():
+            torch.testing.assert_close(compiled[0]["params"][key], value, rtol=1e-4, atol=1e-5,
+                                       msg=f"{name}: {key}")

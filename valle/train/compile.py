@@ -173,10 +173,22 @@ class TrainingCompiler:
         self._install_callbacks()  # again after a close()
 
         def training_forward(*args: Any, **kwargs: Any) -> Any:
-            return module(*args, train_stage=train_stage, **kwargs)
+            loss, metrics = module(*args, train_stage=train_stage, **kwargs)
+            # The metrics leave the graph as one fresh tensor. Returned as they are, a
+            # detached metric (nar_loss = nar.detach()) and the loss (0 + nar in stage 2)
+            # become one buffer once inductor drops the no-op add and detach, and
+            # AOTAutograd then marks that buffer non-differentiable: the loss came back
+            # without a grad_fn (torch 2.9.1, inductor only; tests/train/test_compile.py).
+            return loss, tuple(metrics), torch.stack([v.float() for v in metrics.values()])
 
-        return torch.compile(training_forward, backend=self.backend, mode=self.mode,
-                             dynamic=None if self.dynamic else False)
+        compiled = torch.compile(training_forward, backend=self.backend, mode=self.mode,
+                                 dynamic=None if self.dynamic else False)
+
+        def forward(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            loss, keys, stacked = compiled(*args, **kwargs)
+            return loss, dict(zip(keys, stacked.unbind(0)))
+
+        return forward
 
     def _pause(self) -> None:
         for listener in self.listeners:
