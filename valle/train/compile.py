@@ -33,6 +33,7 @@ dispatches) propagates as a normal exception to ResilientStep's guard.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 import time
@@ -126,9 +127,14 @@ class TrainingCompiler:
         self._started: float | None = None
         self._lock = threading.Lock()
         self._installed = False
-        # Now, not in the first step: importing torch._dynamo takes seconds, and the
-        # stall watchdog is only paused once a compile has started.
+        # Now, at set-up, not in the first step: importing torch._dynamo and the backend
+        # (inductor) takes seconds, tens of them on a busy host, and a rank importing in
+        # its first step keeps its peers waiting in the step's collectives (which time out
+        # at --collective-timeout) - while at set-up every rank imports before its vote.
         self._install_callbacks()
+        torch._dynamo.lookup_backend(backend)
+        if backend == "inductor":
+            importlib.import_module("torch._inductor.compile_fx")  # lookup_backend defers it
 
     # -- the hook ResilientStep calls --------------------------------------------
 
