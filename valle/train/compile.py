@@ -116,8 +116,9 @@ class TrainingCompiler:
     """Compiles the training forward of the modules ResilientStep calls (see module doc)."""
 
     def __init__(self, pad_multiple: int = DEFAULT_PAD_MULTIPLE, dynamic: bool = True,
-                 backend: str = "inductor", mode: str | None = None):
+                 backend: str = "inductor", mode: str | None = None, eager: bool = False):
         self.pad_multiple = pad_multiple
+        self.eager = eager  # the same path (padding, stacked metrics) without torch.compile
         self.dynamic = dynamic
         self.backend, self.mode = backend, mode
         self.stats = CompileStats()
@@ -187,8 +188,9 @@ class TrainingCompiler:
             # without a grad_fn (torch 2.9.1, inductor only; tests/train/test_compile.py).
             return loss, tuple(metrics), torch.stack([v.float() for v in metrics.values()])
 
-        compiled = torch.compile(training_forward, backend=self.backend, mode=self.mode,
-                                 dynamic=None if self.dynamic else False)
+        compiled = training_forward if self.eager else torch.compile(
+            training_forward, backend=self.backend, mode=self.mode,
+            dynamic=None if self.dynamic else False)
 
         def forward(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             loss, keys, stacked = compiled(*args, **kwargs)
@@ -268,10 +270,22 @@ def compile_callback_handler() -> Any:
 
 
 def attach_compiler(step: Any, watchdog: Pausable | None, pad_multiple: int,
-                    backend: str = "inductor") -> TrainingCompiler:
+                    backend: str = "inductor", allocation_injector: bool = False
+                    ) -> TrainingCompiler:
     """--compile: make `step` (a ResilientStep) call its model through a TrainingCompiler
-    whose compiles pause `watchdog`; returns the compiler (its stats are logged)."""
-    compiler = TrainingCompiler(pad_multiple=pad_multiple, backend=backend)
+    whose compiles pause `watchdog`; returns the compiler (its stats are logged).
+
+    `allocation_injector`: some rank runs the allocation-level injector (alloc@, the
+    sweep's census). Under its TorchDispatchMode dynamo compiles nothing (docs/oom.md), so
+    that rank would run eagerly while the others spend minutes compiling, and wait for
+    them in the step's collectives past --collective-timeout. Every rank then takes the
+    --compile path (padding, stacked metrics) without torch.compile, in step."""
+    if allocation_injector:
+        logger.warning("--compile with the allocation-level fault injector (alloc@, "
+                       "--count-allocations): torch.compile cannot run under it, so every "
+                       "rank runs the model eagerly (padding and all) to stay in step")
+    compiler = TrainingCompiler(pad_multiple=pad_multiple, backend=backend,
+                                eager=allocation_injector)
     if watchdog is not None:
         compiler.listeners.append(watchdog)
     step.wrap_forward = compiler.wrap

@@ -368,7 +368,9 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     elif initial_weights is not None:
         start_from(run, initial_weights)
     if cfg.compile:
-        run.compiler = attach_compiler(stepper, run.watchdog, cfg.compile_pad, cfg.compile_backend)
+        injector = bool(cfg.count_allocations) or any(s.phase == "alloc" for s in cfg.inject_fault)
+        run.compiler = attach_compiler(stepper, run.watchdog, cfg.compile_pad, cfg.compile_backend,
+                                       allocation_injector=injector)
     # After restore: state created from the weights training starts from.
     stepper.materialize_state()
     logger.info("model: %.2f M parameters, %.2f M trained in stage %d; grad sync %s; %d rank(s) on %s",
