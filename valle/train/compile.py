@@ -186,7 +186,9 @@ class TrainingCompiler:
             # become one buffer once inductor drops the no-op add and detach, and
             # AOTAutograd then marks that buffer non-differentiable: the loss came back
             # without a grad_fn (torch 2.9.1, inductor only; tests/train/test_compile.py).
-            return loss, tuple(metrics), torch.stack([v.float() for v in metrics.values()])
+            stacked = (torch.stack([v.float() for v in metrics.values()]) if metrics
+                       else loss.new_zeros(0))
+            return loss, tuple(metrics), stacked
 
         compiled = training_forward if self.eager else torch.compile(
             training_forward, backend=self.backend, mode=self.mode,
