@@ -12,9 +12,11 @@
    16x the audio per step (goal: 16x the audio costs <= 2x the time).
 6. AR decoding at batch 1 and 8: the growing KV cache, the static cache, and the static
    step captured in a CUDA graph (`--cuda-graphs`), at the paper's size in bf16.
+7. --compile: real OOMs inside the compiled forward/backward recovered, and steps/s
+   eager vs --compile at the demo size (scripts/bench_compile.py).
 
 Results go to $OUT/gpu-check.md (or ./out/gpu-check.md). `--device cpu --quick` runs
-items 5 and 6 at tiny sizes on the CPU (a smoke test of the script; the CUDA-only items
+items 5 to 7 at tiny sizes on the CPU (a smoke test of the script; the CUDA-only items
 say they were skipped), so a drawn device only has to run it.
 """
 
@@ -36,8 +38,9 @@ MODEL = ["--decoder-dim", "512", "--nhead", "8", "--num-decoder-layers", "6", "-
          "--device", "cuda", "--tensorboard", "false"]
 
 
-def trainer(exp: Path, *extra: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "bin/trainer.py"), *MODEL, "--exp-dir", str(exp),
+def trainer(exp: Path, *extra: str, timeout: int = 300, model: list[str] = MODEL
+            ) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "bin/trainer.py"), *model, "--exp-dir", str(exp),
            "--synthetic-data", "64", "--synthetic-batch-size", "16", "--num-epochs", "1",
            "--log-interval", "1", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -224,6 +227,32 @@ def check_decoding(lines: list[str], device: str, quick: bool) -> None:
     lines.append("")
 
 
+def check_compile_real_ooms(lines: list[str], device: str = "cuda") -> None:
+    """--compile at the demo size: a real OOM in the forward phase and one inside the compiled
+    backward (--inject-fault-real fills the GPU, so the compiled backward's own allocations
+    fail); the run must finish every step with nothing lost and consistent state."""
+    exp = OUT / "compile-real-oom"
+    model = ["--decoder-dim", "128", "--nhead", "4", "--num-decoder-layers", "2", "--dropout", "0",
+             "--device", device, "--tensorboard", "false"]
+    real = ["--inject-fault-real", "true"] if device == "cuda" else []
+    proc = trainer(exp, "--compile", "--inject-fault", "forward@1", "--inject-fault", "backward@2",
+                   *real, "--max-steps", "4", "--check-consistency-every", "1", "--oom-check",
+                   "false", model=model, timeout=900)
+    summary = exp / "summary-rank0.json"
+    data = json.loads(summary.read_text()) if summary.exists() else {"steps": None, "epochs": [{}]}
+    epoch = (data.get("epochs") or [{}])[0]
+    compile_lines = [x for x in proc.stderr.splitlines() + proc.stdout.splitlines()
+                     if "compile:" in x and "done:" in x]
+    lines += ["## --compile: real OOMs in the forward phase and inside the compiled backward", "",
+              f"exit code {proc.returncode}, steps {data['steps']} (expected 4); cuts drawn "
+              f"{epoch.get('cuts_drawn')} = trained {epoch.get('cuts_trained')} + quarantined "
+              f"{epoch.get('cuts_quarantined')} + skipped {epoch.get('cuts_skipped')}; OOM events "
+              f"{epoch.get('oom_events')}", "",
+              (compile_lines[-1].split("|")[-1].strip() if compile_lines else "no compile note"), ""]
+    if proc.returncode:
+        lines += ["```", proc.stderr[-3000:], "```", ""]
+
+
 def run_bench(lines: list[str], script: str, *args: str) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True,
                           text=True, timeout=600)
@@ -263,10 +292,15 @@ def main() -> None:
         lines += ["(real OOMs, scan peak and backward reserve need CUDA: skipped)", ""]
     run_check(check_host_overhead, args.device, args.quick)
     run_check(check_decoding, args.device, args.quick)
+    run_check(check_compile_real_ooms, args.device)
     if args.device == "cuda":
         run_bench(lines, "bench_step.py", "--device", "cuda", "--dim", "1024", "--layers", "12",
                   "--batch", "16", "--text", "100", "--frames", "600")
         run_bench(lines, "bench_models.py", "--device", "cuda")
+        run_bench(lines, "bench_compile.py", "--device", "cuda", "--sizes", "demo")
+    else:
+        run_bench(lines, "bench_compile.py", "--device", "cpu", "--sizes", "tiny", "--blocks", "1",
+                  "--block-steps", "2")
     (OUT / "gpu-check.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 py=python3
 [ -x .venv/bin/python ] && py=.venv/bin/python
 export PYTHONUNBUFFERED=1
-"$py" scripts/gpu_check.py
+"$py" scripts/gpu_check.py "$@"  # --device cpu: a smoke run without a GPU

@@ -29,3 +29,7 @@ def test_gpu_check_runs_its_cpu_path(tmp_path):
     for batch in (1, 8):
         for mode in ("growing KV cache", "static cache"):
             assert re.search(rf"\| {batch} \| {mode} \| [\d.]+ \| \d+ \| [\d.]+ \|", report), report
+    # --compile (item 7): the fault run finished its steps, and eager vs --compile was timed
+    assert "## --compile: real OOMs" in report, report
+    assert re.search(r"exit code 0, steps 4 \(expected 4\)", report), report
+    assert "bench_compile.py" in report, report

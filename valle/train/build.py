@@ -16,6 +16,7 @@ from valle.train.checkpoint import (
     find_latest_checkpoint,
     load_checkpoint,
 )
+from valle.train.compile import TrainingCompiler, attach_compiler
 from valle.train.config import TrainConfig
 from valle.train.data import TrainData, build_train_data
 from valle.train.dist import DistContext
@@ -59,6 +60,7 @@ class Run:
     resumed: bool = False
     unreadable_total: int = 0  # cuts whose codes could not be read, all ranks, this launch
     preemption: Preemption = field(default_factory=lambda: Preemption(0.0))
+    compiler: TrainingCompiler | None = None  # --compile
     samples: Any = None  # valle.train.samples.SampleWriter, made by its first pass (rank 0)
 
 
@@ -172,6 +174,10 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
         run.resumed = not restore(run, payload)
     elif initial_weights is not None:
         start_from(run, initial_weights)
+    if cfg.compile:
+        injector = bool(cfg.count_allocations) or any(s.phase == "alloc" for s in cfg.inject_fault)
+        run.compiler = attach_compiler(stepper, run.watchdog, cfg.compile_pad, cfg.compile_backend,
+                                       allocation_injector=injector)
     # After restore: state created from the weights training starts from.
     stepper.materialize_state()
     logger.info("model: %.2f M parameters, %.2f M trained in stage %d; grad sync %s; %d rank(s) on %s",

@@ -56,6 +56,9 @@ class TrainConfig:
     valid_samples_decode: str = ""  # bin/infer.py decoding flags ("": its defaults)
     valid_samples_codec_dir: str = ""  # "": the corpus's codec (none with --synthetic-data)
     valid_judge: str = ""  # phoneme judge (judge.pt): held-out PER and speaker similarity
+    compile: bool = False  # torch.compile the training forward + loss (valle.train.compile)
+    compile_pad: int = 32  # --compile: pad text/frames to multiples of this (fewer shapes)
+    compile_backend: str = "inductor"  # tests use aot_eager (same graphs, no code generation)
     # resilience
     grad_sync: str = "overlap"
     bucket_cap_mb: float = 25.0
@@ -130,6 +133,13 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-trained-cuts", type=str2bool, default=d.log_trained_cuts,
                    help="append each step's cut ids to <exp-dir>/trained-cuts-rank<R>.tsv")
     add_sample_arguments(parser, d)
+    g.add_argument("--compile", type=str2bool, nargs="?", const=True, default=d.compile,
+                   help="torch.compile the training forward and loss (and so its backward); "
+                        "the first step compiles (minutes on CPU), for CUDA (docs/training.md)")
+    g.add_argument("--compile-pad", type=int, default=d.compile_pad,
+                   help="--compile: pad text and frames to multiples of this so bucketed "
+                        "lengths do not recompile (masks keep the loss exact); 1: no padding")
+    g.add_argument("--compile-backend", default=d.compile_backend, help=argparse.SUPPRESS)
 
     r = parser.add_argument_group("resilience")
     r.add_argument("--grad-sync", default=d.grad_sync, choices=SYNC_MODES)
@@ -248,6 +258,8 @@ def validate_config(cfg: TrainConfig) -> None:
             decode_flags(cfg.valid_samples_decode)
         except DecodeFlagsError as e:
             bad("--valid-samples-decode", str(e))
+    if cfg.compile_pad < 1:
+        bad("--compile-pad", "must be >= 1")
     if cfg.save_every_n < 1 or cfg.valid_interval < 1 or cfg.log_interval < 1:
         bad("--save-every-n/--valid-interval/--log-interval", "must be >= 1")
     for spec in cfg.inject_fault:

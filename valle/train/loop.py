@@ -33,6 +33,7 @@ from valle.train.build import (
 from valle.train.checkpoint import (
     CorruptCheckpointError,
 )
+from valle.train.compile import compile_note
 from valle.train.config import TrainConfig
 from valle.train.dist import init_distributed, shutdown
 from valle.train.metrics import MetricsTracker, ThroughputMeter, setup_logging
@@ -124,6 +125,8 @@ def train(cfg: TrainConfig) -> TrainSummary:
             summary = train_epochs(run)
         finally:
             run.watchdog.close()
+            if run.compiler is not None:
+                run.compiler.close()
             run.tb.close()
             run.stepper.sync.close()
     finally:
@@ -214,8 +217,8 @@ def train_epochs(run: Run) -> TrainSummary:
         if stopping:  # the epoch's own checkpoint is the one to resume from
             return preempted(run, summary, saved)
     run.stepper.flush()
-    logger.info("done: %d steps, last logged loss %.4f; checkpoints, logs and TensorBoard in %s",
-                run.step, summary.final_loss, run.cfg.exp_dir)
+    logger.info("done: %d steps, last logged loss %.4f; checkpoints, logs and TensorBoard in %s%s",
+                run.step, summary.final_loss, run.cfg.exp_dir, compile_note(run.compiler))
     summary.steps = run.step
     run.stepper.local("summary", lambda: summary.fingerprints.update(run.stepper.fingerprints()))
     summary.model_state = run.model.state_dict()
@@ -351,10 +354,11 @@ def log_progress(run: Run, totals: MetricsTracker, meter: ThroughputMeter) -> No
             parts.append(f"{head} {values[head + '_loss']:.4f} top10 {values[head + '_top10_acc']:.3f}")
     logger.info(
         "epoch %d step %d | %s | lr %.2e | %s | ETA %s | ooms %d retries %d quarantined %d "
-        "skipped %d%s",
+        "skipped %d%s%s",
         run.epoch, run.step, " | ".join(parts), lr, meter, eta, int(values.get("oom_events", 0)),
         int(values.get("retries", 0)), int(values.get("quarantined", 0)),
         int(values.get("skipped_steps", 0)), f" | grad scale {scale:.3g}" if scale else "",
+        compile_note(run.compiler),
     )
     run.tb.scalars(run.step, {**values, "lr": lr, "grad_scale": scale, "it_per_s": meter.rate,
                               "step_time_s": 1.0 / meter.rate if meter.rate else None,

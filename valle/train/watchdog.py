@@ -45,6 +45,10 @@ class StallWatchdog:
         self.poll_seconds = poll_seconds
         self._started: float | None = None
         self._step = -1
+        # Time the running step spent paused (a torch.compile: --compile), not counted.
+        self._paused_since: float | None = None
+        self._paused_total = 0.0
+        self._pause_depth = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="stall-watchdog", daemon=True)
         self._thread.start()
@@ -55,19 +59,42 @@ class StallWatchdog:
 
     @contextmanager
     def step(self, step: int) -> Iterator[None]:
+        self._paused_total = 0.0
         self._step, self._started = step, time.monotonic()
         try:
             yield
         finally:
-            self.durations.append(time.monotonic() - self._started)
+            self.durations.append(self.age())
             self._started = None
+
+    def pause(self) -> None:
+        """Stop the running step's clock (a compile: legitimately long, and no hang).
+        Pauses nest: the clock runs again when every pause was resumed."""
+        self._pause_depth += 1
+        if self._paused_since is None:
+            self._paused_since = time.monotonic()
+
+    def resume(self) -> None:
+        self._pause_depth = max(0, self._pause_depth - 1)
+        if self._pause_depth == 0:
+            since, self._paused_since = self._paused_since, None
+            if since is not None:
+                self._paused_total += time.monotonic() - since
+
+    def age(self) -> float:
+        """Seconds the running step has run, paused time excluded (0 between steps)."""
+        started, since = self._started, self._paused_since
+        if started is None:
+            return 0.0
+        now = time.monotonic()
+        paused = self._paused_total + (now - since if since is not None else 0.0)
+        return max(0.0, now - started - paused)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_seconds):
-            started = self._started
-            if started is None:
+            if self._started is None or self._paused_since is not None:
                 continue
-            age = time.monotonic() - started
+            age = self.age()
             if age > self.limit():
                 self._fire(age)
 

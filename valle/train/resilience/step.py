@@ -242,6 +242,8 @@ class ResilientStep:
         # except under GradScaler, which needs to see fp16 overflow to lower its scale.
         sync.check_finite = self.scaler is None
         self._materialized = False
+        # --compile swaps in TrainingCompiler.wrap (valle.train.compile): same call, compiled.
+        self.wrap_forward: Callable[[nn.Module], Callable[..., Any]] = lambda module: module
 
     def materialize_state(self) -> None:
         """Create optimizer and scaler state now (after any checkpoint was loaded), so
@@ -538,7 +540,7 @@ class ResilientStep:
             autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype)
                         if self.autocast_dtype is not None else nullcontext())
             with autocast:
-                loss, metrics = self.sync.forward_module(self.model)(
+                loss, metrics = self.wrap_forward(self.sync.forward_module(self.model))(
                     on_device["text_tokens"], on_device["text_tokens_lens"],
                     on_device["audio_features"], on_device["audio_features_lens"],
                     train_stage=self.cfg.train_stage, sample_seeds=seeds,
