@@ -46,6 +46,14 @@ tmp=$(mktemp)
   echo
   python scripts/bench_preemption.py 2>/dev/null | grep -v -e 'Gloo' -e 'connected to'
   echo
+  echo "## --compile: eager against torch.compile, steps/s (each size compiles first: minutes on CPU)"
+  echo
+  echo '```'
+  echo "python scripts/bench_compile.py"
+  echo '```'
+  echo
+  python scripts/bench_compile.py 2>/dev/null | grep -v -e 'Gloo' -e 'connected to'
+  echo
   echo "## Tokenization throughput"
   echo
   echo '```'

@@ -24,8 +24,10 @@ def test_gpu_check_runs_its_cpu_path(tmp_path):
     report = (tmp_path / "gpu-check.md").read_text()
     assert "failed:" not in report, report
     assert "need CUDA: skipped" in report
-    assert re.search(r"\| 32 \| trainer, AdamW \| [\d.]+ \| [\d.]+x \|", report), report
-    assert re.search(r"16x the audio per step costs [\d.]+x the step time", report)
+    # a marginal time (the slope over steps): on a loaded CPU with one repeat it can come out
+    # negative; the smoke test asks that it is a number, not that it is meaningful here
+    assert re.search(r"\| 32 \| trainer, AdamW \| -?[\d.]+ \| -?[\d.]+x \|", report), report
+    assert re.search(r"16x the audio per step costs -?[\d.]+x the step time", report)
     for batch in (1, 8):
         for mode in ("growing KV cache", "static cache"):
             assert re.search(rf"\| {batch} \| {mode} \| [\d.]+ \| \d+ \| [\d.]+ \|", report), report
