@@ -2,12 +2,20 @@
 """The trainer's own per-step host time, against a bare training loop (`make bench`).
 
 "Trainer": `valle.train.loop.train`, the function bin/trainer.py runs (data drawn
-from the synthetic sampler, the resilient step with its vote, scheduler, metrics,
-logging at --log-interval, watchdog), for N and then 2N steps: the difference
-divided by N is its marginal time per step, set-up and teardown cancelled out.
-"Bare": zero_grad / forward / backward / torch.optim.AdamW on the same model and
-the same batches (drawn up front), also timed at N and 2N steps; with 2 ranks
-the model is wrapped in torch DDP. Runs are interleaved and repeated; the
+from its sampler, the resilient step with its vote, scheduler, metrics, logging at
+--log-interval, watchdog), for N and then 2N steps: the difference divided by N is
+its marginal time per step, set-up and teardown cancelled out. "Bare": zero_grad /
+forward / backward / torch.optim.AdamW on the same model and the same batches
+(drawn up front from the same data), also timed at N and 2N steps; with 2 ranks
+the model is wrapped in torch DDP.
+
+Sizes: "tiny" and "demo" train on synthetic token batches (--batch cuts per step);
+"demo-lhotse" is the demo's model on real lhotse data: an egs/tiny corpus (the
+demo's recipe: eSpeak voices, mel-rvq codes with 128 codes in codebook 0), read by
+the trainer's own data module with the demo's --max-duration 16 and one DataLoader
+worker (--lhotse-dir names a tokenized dir; else one is made, about 40 s). All N
+and 2N steps stay inside the first epoch (an epoch end would add its checkpoint and
+summary to one side only): a corpus too small for that is refused. Runs are interleaved and repeated; the
 median marginal time is reported. Time is the process's CPU time
 (time.process_time): on a shared machine it is what this process itself spent,
 nearly free of other processes' load; on CUDA use --clock wall (the host's
@@ -21,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -43,49 +53,75 @@ SIZES = {
     "demo": ["--decoder-dim", "128", "--nhead", "4", "--num-decoder-layers", "2",
              "--guided-attention-weight", "1.0"],
 }
+# The demo's model on the demo's data: its codec's codebook 0 holds 128 codes (egs/tiny/run.sh).
+SIZES["demo-lhotse"] = [*SIZES["demo"], "--ar-codebook-size", "128"]
+LHOTSE_SIZES = {"demo-lhotse"}
+# egs/tiny/run.sh's data flags, with one loader worker (the data off the critical path).
+LHOTSE_FLAGS = ["--dataset", "tiny", "--max-duration", "16", "--max-text-tokens", "400",
+                "--num-workers", "1"]
 # The trainer rows do the bare loop's work (no clipping, no averaged model) unless told.
 SAME_WORK = ["--grad-clip", "0", "--average-period", "0"]
 DEMO_EXTRA = ["--average-period", "5"]
 
 
+def data_argv(size: str, steps: int, batch: int, corpus: str | None) -> list[str]:
+    if size in LHOTSE_SIZES:
+        if corpus is None:
+            raise ValueError(f"--sizes {size} needs a tokenized egs/tiny corpus (--lhotse-dir)")
+        return ["--manifest-dir", corpus, *LHOTSE_FLAGS]
+    return ["--synthetic-data", str((steps + 4) * batch), "--synthetic-batch-size", str(batch)]
+
+
 def trainer_argv(size: str, optimizer: str, steps: int, batch: int, exp_dir: str,
-                 device: str) -> list[str]:
+                 device: str, corpus: str | None = None) -> list[str]:
     return [*SIZES[size], "--model-name", "valle", "--prefix-mode", "1", "--dropout", "0.0",
             "--optimizer-name", optimizer, "--base-lr", "0.01" if optimizer == "ScaledAdam" else "1e-4",
-            "--synthetic-data", str((steps + 4) * batch), "--synthetic-batch-size", str(batch),
+            *data_argv(size, steps, batch, corpus),
             "--num-epochs", "1", "--max-steps", str(steps), "--device", device,
             "--oom-check", "false", "--tensorboard", "false", "--valid-interval", "1000000",
             "--save-every-n", "1000000", "--exp-dir", exp_dir]
 
 
 def run_trainer(size: str, optimizer: str, steps: int, batch: int, device: str,
-                extra: list[str] = SAME_WORK) -> float:
+                extra: list[str] = SAME_WORK, corpus: str | None = None) -> float:
     """Seconds of one `train()` call of `steps` steps (set-up included)."""
     from valle.train.cli import parse_config
     from valle.train.loop import train
 
     with tempfile.TemporaryDirectory() as exp_dir:
-        cfg = parse_config(trainer_argv(size, optimizer, steps, batch, exp_dir, device) + extra)
+        cfg = parse_config(trainer_argv(size, optimizer, steps, batch, exp_dir, device, corpus) + extra)
         start = CLOCK[0]()
-        train(cfg)
+        summary = train(cfg)
         elapsed = CLOCK[0]() - start
+    if summary.steps != steps:  # --num-epochs 1: the first epoch ended before --max-steps
+        raise SystemExit(f"bench_host: the trainer's first epoch ended after {summary.steps} "
+                         f"steps, before {steps}: {corpus or 'the synthetic corpus'} is too small")
     logging.getLogger().setLevel(logging.WARNING)  # the next train() logs its set-up only
     return elapsed
 
 
-def run_bare(size: str, steps: int, batch: int, device: str, profiler=None) -> float:
-    """Seconds of `steps` bare steps (after 3 warm-up steps), batches drawn up front."""
+def run_bare(size: str, steps: int, batch: int, device: str, profiler=None,
+             corpus: str | None = None) -> float:
+    """Seconds of `steps` bare steps (after 3 warm-up steps), on the batches the trainer's
+    steps 1..`steps` train (drawn up front from its own data: the synthetic sampler or the
+    lhotse data module, first epoch), so that both marginals time the same batches."""
     from valle.models import get_model
     from valle.train.build import model_hparams
     from valle.train.cli import parse_config
-    from valle.train.data import SyntheticData
+    from valle.train.data import build_train_data
     from valle.train.dist import init_distributed
 
     with tempfile.TemporaryDirectory() as exp_dir:
-        cfg = parse_config(trainer_argv(size, "AdamW", steps + 3, batch, exp_dir, device))
-    ctx = init_distributed(device, 120)
+        cfg = parse_config(trainer_argv(size, "AdamW", steps, batch, exp_dir, device, corpus))
+        ctx = init_distributed(device, 120)
+        hparams = model_hparams(cfg, None)
+        data = build_train_data(cfg, ctx, hparams.ar_codebook_size)
+        batches = list(itertools.islice(data.train_batches(1), steps))
+    if len(batches) < steps:
+        raise SystemExit(f"bench_host: rank {ctx.rank}'s first epoch of {corpus} has "
+                         f"{len(batches)} batches, fewer than the {steps} this needs")
     torch.manual_seed(cfg.seed)
-    model = get_model(model_hparams(cfg, None)).to(ctx.device)
+    model = get_model(hparams).to(ctx.device)
     params = [p for _, p in model.stage_parameters(0)]
     forward = model
     if ctx.distributed:
@@ -93,7 +129,6 @@ def run_bare(size: str, steps: int, batch: int, device: str, profiler=None) -> f
             model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
             find_unused_parameters=True, broadcast_buffers=False)
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
-    batches = list(SyntheticData(cfg, ctx).train_batches(1))[:steps + 3]
 
     def step(b) -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -104,12 +139,12 @@ def run_bare(size: str, steps: int, batch: int, device: str, profiler=None) -> f
         (loss / int(b["audio_features_lens"].sum())).backward()
         optimizer.step()
 
-    for b in batches[:3]:
+    for b in batches[:3]:  # warm-up
         step(b)
     _sync(ctx.device)
     start = CLOCK[0]()
     with profiler if profiler is not None else contextlib.nullcontext():
-        for b in batches[3:]:
+        for b in batches:
             step(b)
         _sync(ctx.device)
     return CLOCK[0]() - start
@@ -138,11 +173,15 @@ def variants(args, size: str) -> dict:
     """The bare loop, the trainer doing the same work (AdamW, no clipping, no averaged
     model), and at the demo's size the demo's own settings (ScaledAdam, which clips,
     and the averaged model)."""
-    out = {"bare loop (torch AdamW)": lambda k: run_bare(size, k, args.batch, args.device),
-           "trainer, AdamW": lambda k: run_trainer(size, "AdamW", k, args.batch, args.device)}
-    if size == "demo":
+    corpus = getattr(args, "corpus", None)
+    out = {"bare loop (torch AdamW)": lambda k: run_bare(size, k, args.batch, args.device,
+                                                          corpus=corpus),
+           "trainer, AdamW": lambda k: run_trainer(size, "AdamW", k, args.batch, args.device,
+                                                   corpus=corpus)}
+    if size.startswith("demo"):
         out["trainer, ScaledAdam + averaging (the demo's)"] = (
-            lambda k: run_trainer(size, "ScaledAdam", k, args.batch, args.device, DEMO_EXTRA))
+            lambda k: run_trainer(size, "ScaledAdam", k, args.batch, args.device, DEMO_EXTRA,
+                                  corpus=corpus))
     return out
 
 
@@ -219,12 +258,13 @@ def profile(args, size: str, optimizer: str) -> None:
     torch.set_num_threads(args.threads)
     steps = args.steps[size]
     extra = SAME_WORK if optimizer == "AdamW" else DEMO_EXTRA
-    run_trainer(size, optimizer, 5, args.batch, args.device, extra)  # warm the caches
+    corpus = getattr(args, "corpus", None)
+    run_trainer(size, optimizer, 5, args.batch, args.device, extra, corpus)  # warm the caches
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with phases_marked(), torch_profile(activities=activities) as prof:
-        run_trainer(size, optimizer, steps, args.batch, args.device, extra)
+        run_trainer(size, optimizer, steps, args.batch, args.device, extra, corpus)
     bare = torch_profile(activities=activities)
-    run_bare(size, steps, args.batch, args.device, profiler=bare)
+    run_bare(size, steps, args.batch, args.device, profiler=bare, corpus=corpus)
     marks = ("phase:", "host_work", "ResilientStep.run", "loop.")
     rows = [e for e in prof.key_averages() if e.key.startswith(marks)]
     rows.sort(key=lambda e: -e.cpu_time_total)
@@ -256,45 +296,87 @@ def profile(args, size: str, optimizer: str) -> None:
     print()
 
 
+def make_corpus(data_dir: Path, generated: int) -> str:
+    """A tokenized egs/tiny corpus as the demo makes it (held-out layout, mel-rvq codes with
+    128 codes in codebook 0), `generated` more sentences than the 224 natural ones."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(root / "egs/tiny/prepare.sh"), "--python", sys.executable,
+         "--data-dir", str(data_dir), "--layout", "heldout", "--codec", "mel-rvq",
+         "--generated", str(generated), "--first-codebook-size", "128", "--num-jobs", "0",
+         "--stop-stage", "2"], cwd=root, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_host: egs/tiny/prepare.sh failed:\n{proc.stdout[-2000:]}"
+                         f"{proc.stderr[-2000:]}")
+    return str(data_dir / "tokenized")
+
+
+def corpus_note(corpus: str) -> str:
+    from lhotse import CutSet
+
+    cuts = CutSet.from_file(Path(corpus) / "tiny_cuts_train.jsonl.gz")
+    seconds = sum(c.duration for c in cuts)
+    return f"{len(cuts)} training cuts, {seconds / 60:.1f} min of audio"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sizes", default="tiny,demo")
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--sizes", default="tiny,demo,demo-lhotse")
+    parser.add_argument("--batch", type=int, default=8, help="cuts per step, synthetic sizes")
     parser.add_argument("--tiny-steps", type=int, default=100)
-    parser.add_argument("--demo-steps", type=int, default=30)
+    parser.add_argument("--demo-steps", type=int, default=30, help="N of demo and demo-lhotse")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--ranks", default="1,2", help="1 and/or 2 (2: gloo, CPU only)")
+    parser.add_argument("--lhotse-dir", default=None,
+                        help="demo-lhotse: a tokenized egs/tiny dir (held-out layout, codebook 0 "
+                             "of 128 codes); default: one made in a temporary dir")
+    parser.add_argument("--lhotse-generated", type=int, default=1000,
+                        help="sentences generated beyond the natural ones for the made corpus "
+                             "(1000: about 80 steps per rank in the first epoch at 2 ranks)")
     parser.add_argument("--profile", action="store_true", help="the profile instead of the timing")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="cpu: this process's CPU time; wall: elapsed time")
     args = parser.parse_args()
     CLOCK[0] = time.process_time if args.clock == "cpu" else time.perf_counter
-    args.steps = {"tiny": args.tiny_steps, "demo": args.demo_steps}
+    args.steps = {"tiny": args.tiny_steps, "demo": args.demo_steps, "demo-lhotse": args.demo_steps}
     logging.basicConfig(level=logging.WARNING)
     print(f"command: python scripts/bench_host.py {' '.join(sys.argv[1:])}".rstrip())
     sizes = args.sizes.split(",")
-    if args.profile:
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        parser.error(f"--sizes: unknown {', '.join(unknown)} (known: {', '.join(SIZES)})")
+    with tempfile.TemporaryDirectory() as scratch:
+        args.corpus = args.lhotse_dir
+        if args.corpus is None and LHOTSE_SIZES & set(sizes):
+            args.corpus = make_corpus(Path(scratch) / "tiny", args.lhotse_generated)
+        if args.profile:
+            for size in sizes:
+                for optimizer in ("AdamW", "ScaledAdam"):
+                    profile(args, size, optimizer)
+            return
+        print(f"batch {args.batch} (synthetic sizes), fp32, {args.device}, {args.threads} "
+              f"thread(s), {'process CPU' if args.clock == 'cpu' else 'wall'} time; "
+              f"marginal time per step = (t(2N) - t(N)) / N, N = "
+              f"{', '.join(f'{args.steps[s]} ({s})' for s in sizes)}; median of {args.repeats} "
+              "interleaved repeats\n")
+        ranks = [int(r) for r in args.ranks.split(",")]
         for size in sizes:
-            for optimizer in ("AdamW", "ScaledAdam"):
-                profile(args, size, optimizer)
-        return
-    print(f"synthetic data, batch {args.batch}, fp32, {args.device}, {args.threads} thread(s), "
-          f"{'process CPU' if args.clock == 'cpu' else 'wall'} time; "
-          f"marginal time per step = (t(2N) - t(N)) / N, N = "
-          f"{', '.join(f'{args.steps[s]} ({s})' for s in sizes)}; median of {args.repeats} "
-          "interleaved repeats\n")
-    ranks = [int(r) for r in args.ranks.split(",")]
-    for size in sizes:
-        desc = " ".join(SIZES[size][1::2][:3])
-        if 1 in ranks:
-            print_table(f"{size} (d, heads, layers = {desc}), 1 rank", one_rank(args, size))
-        if 2 in ranks and args.device == "cpu":
-            results = values(run_world(_two_rank_worker, 2, args, size, timeout=1800))
-            slowest = {name: max(r[name] for r in results) for name in results[0]}
-            print_table(f"{size}, 2 gloo ranks (bare: torch DDP)", slowest)
+            desc = " ".join(SIZES[size][1:6:2])
+            if size in LHOTSE_SIZES:
+                desc += (f"; egs/tiny corpus, {corpus_note(args.corpus)}, "
+                         f"{' '.join(LHOTSE_FLAGS[2:])}")
+            if 1 in ranks:
+                print_table(f"{size} (d, heads, layers = {desc}), 1 rank", one_rank(args, size))
+            if 2 in ranks and args.device == "cpu":
+                results = values(run_world(_two_rank_worker, 2, args, size, timeout=1800))
+                slowest = {name: max(r[name] for r in results) for name in results[0]}
+                print_table(f"{size}, 2 gloo ranks (bare: torch DDP)", slowest)
 
 
 if __name__ == "__main__":

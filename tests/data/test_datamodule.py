@@ -194,3 +194,20 @@ def test_text_budget_is_on_by_default_and_derived_from_the_corpus(tiny_data, tmp
     assert TtsDataModule(args).args.max_text_tokens == math.ceil(TEXT_BUDGET_MARGIN * DEFAULT_TEXT_TOKENS_PER_SECOND * 6)
     assert TtsDataModule(parser.parse_args(["--max-text-tokens", "off", *base])).args.max_text_tokens is None
     assert TtsDataModule(parser.parse_args(["--max-text-tokens", "77", *base])).args.max_text_tokens == 77
+
+
+@pytest.mark.parametrize("device, pinned", [("cpu", False), ("cuda", True)])
+def test_trainer_pins_batches_on_cuda_only(tiny_data, tmp_path, device, pinned):
+    """On CUDA the trainer's loaders hand out page-locked batches (its non_blocking uploads
+    are only asynchronous from there); on CPU pinning would only cost a copy."""
+    from valle.train.cli import parse_config
+    from valle.train.dist import DistContext
+    from valle.train.lhotse_data import LhotseTrainData
+
+    cfg = parse_config(["--manifest-dir", str(tiny_data), "--dataset", "tiny", "--max-duration", "6",
+                        "--num-workers", "0", "--exp-dir", str(tmp_path)])
+    data = LhotseTrainData(cfg, DistContext(device=torch.device(device)))
+    assert data.train.pin_memory is pinned and data.valid.pin_memory is pinned
+    # the DataLoaders they build (constructed only: there is no GPU to pin for here)
+    assert data.train._batches(0).pin_memory is pinned
+    assert data.valid._batches(0).pin_memory is pinned

@@ -20,3 +20,38 @@ def test_bench_host_prints_trainer_vs_bare_loop():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| bare loop (torch AdamW) |" in proc.stdout
     assert "| trainer, AdamW |" in proc.stdout
+
+
+def _load_bench_host():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_host", ROOT / "scripts" / "bench_host.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(600)
+def test_bench_host_demo_on_lhotse_data(tmp_path):
+    """The demo's model on a real egs/tiny lhotse corpus (made as the script makes it), 1 and
+    2 gloo ranks: every variant's row, the corpus named; and a corpus whose first epoch is
+    shorter than 2N steps is refused, not timed across an epoch end."""
+    corpus = _load_bench_host().make_corpus(tmp_path / "tiny", generated=0)
+    assert (Path(corpus) / "tiny_cuts_train.jsonl.gz").is_file()
+    base = [sys.executable, "scripts/bench_host.py", "--sizes", "demo-lhotse", "--lhotse-dir", corpus,
+            "--repeats", "1"]
+    proc = subprocess.run([*base, "--demo-steps", "2", "--ranks", "1,2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tables = proc.stdout.split("| demo-lhotse")[1:]
+    assert len(tables) == 2, proc.stdout
+    assert "1 rank" in tables[0].splitlines()[0] and "training cuts" in tables[0].splitlines()[0]
+    assert "2 gloo ranks" in tables[1].splitlines()[0]
+    for table in tables:
+        for row in ("| bare loop (torch AdamW) |", "| trainer, AdamW |",
+                    "| trainer, ScaledAdam + averaging (the demo's) |"):
+            assert row in table
+    too_long = subprocess.run([*base, "--demo-steps", "400", "--ranks", "1"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert too_long.returncode != 0
+    assert "fewer than the 400 this needs" in too_long.stderr, too_long.stderr[-2000:]

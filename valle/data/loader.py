@@ -38,6 +38,9 @@ class ResumableLoader:
     ``skip`` batches."""
 
     source = ""  # "manifest" | "shar"
+    # Batches in page-locked host memory (the trainer sets it on CUDA): only from there does a
+    # non_blocking upload leave the host free to prepare the next step while the copy runs.
+    pin_memory = False
 
     def __init__(self, dataset, num_workers: int, world_size: int, rank: int, seed: int) -> None:
         self.dataset = dataset
@@ -60,7 +63,8 @@ class ResumableLoader:
 
         return torch.utils.data.DataLoader(
             data, batch_size=None, num_workers=self.num_workers, persistent_workers=False,
-            multiprocessing_context=worker_context() if self.num_workers else None, **kwargs)
+            multiprocessing_context=worker_context() if self.num_workers else None,
+            pin_memory=self.pin_memory, **kwargs)
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:

@@ -50,10 +50,12 @@ class LhotseTrainData:
             cfg.args["languages"] = languages
             logger.info("languages (id order): %s", ", ".join(languages))
         self.train: ResumableLoader = self.module.train_dataloader(ctx.rank, ctx.world_size)
+        self.train.pin_memory = ctx.device.type == "cuda"
         self._unreadable: list[dict[str, str]] = []
         self.valid: ManifestLoader | None = None
         try:
             self.valid = self.module.valid_dataloader(ctx.rank, ctx.world_size)
+            self.valid.pin_memory = self.train.pin_memory
         except FileNotFoundError as e:
             logger.warning("no validation data: %s", e)
         if ctx.is_main and self.module.filter_report.entries:
