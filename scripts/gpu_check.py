@@ -175,7 +175,7 @@ def check_host_overhead(lines: list[str], device: str, quick: bool) -> None:
     lines += [f"## Trainer vs bare loop ({size} model, synthetic data, {device}, fp32)", "",
               "| cuts per step | variant | ms/step | vs bare loop |", "|---|---|---|---|"]
     for batch, times in results.items():
-        base = times["bare loop (torch AdamW)"]
+        base = times["bare loop (torch fused AdamW)"]
         for name, t in times.items():
             lines.append(f"| {batch} | {name} | {t * 1e3:.2f} | {t / base:.3f}x |")
     trainer = "trainer, AdamW"

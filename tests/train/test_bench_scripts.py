@@ -18,7 +18,7 @@ def test_bench_host_prints_trainer_vs_bare_loop():
                            "--tiny-steps", "2", "--repeats", "1", "--ranks", "1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| bare loop (torch AdamW) |" in proc.stdout
+    assert "| bare loop (torch fused AdamW) |" in proc.stdout
     assert "| trainer, AdamW |" in proc.stdout
 
 
@@ -48,7 +48,7 @@ def test_bench_host_demo_on_lhotse_data(tmp_path):
     assert "1 rank" in tables[0].splitlines()[0] and "training cuts" in tables[0].splitlines()[0]
     assert "2 gloo ranks" in tables[1].splitlines()[0]
     for table in tables:
-        for row in ("| bare loop (torch AdamW) |", "| trainer, AdamW |",
+        for row in ("| bare loop (torch fused AdamW) |", "| trainer, AdamW |",
                     "| trainer, ScaledAdam + averaging (the demo's) |"):
             assert row in table
     too_long = subprocess.run([*base, "--demo-steps", "400", "--ranks", "1"],
