@@ -18,7 +18,7 @@ tmp=$(mktemp)
   echo "python scripts/bench_step.py"
   echo '```'
   echo
-  python scripts/bench_step.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to'
+  python scripts/bench_step.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to' -e 'peer ranks'
   echo
   echo "## Trainer vs bare loop: the trainer's own host time per step"
   echo
@@ -27,8 +27,8 @@ tmp=$(mktemp)
   echo "python scripts/bench_host.py --profile --sizes tiny"
   echo '```'
   echo
-  python scripts/bench_host.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to'
-  python scripts/bench_host.py --profile --sizes tiny 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to'
+  python scripts/bench_host.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to' -e 'peer ranks'
+  python scripts/bench_host.py --profile --sizes tiny 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to' -e 'peer ranks'
   echo
   echo "## Model: training-step FLOP/s and KV-cache decoding"
   echo
@@ -36,7 +36,7 @@ tmp=$(mktemp)
   echo "python scripts/bench_models.py"
   echo '```'
   echo
-  python scripts/bench_models.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to'
+  python scripts/bench_models.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to' -e 'peer ranks'
   echo
   echo "## Preemption: steps redone, and SIGTERM to exit"
   echo
@@ -44,7 +44,7 @@ tmp=$(mktemp)
   echo "python scripts/bench_preemption.py"
   echo '```'
   echo
-  python scripts/bench_preemption.py 2>/dev/null | grep -v -e 'Gloo' -e 'connected to'
+  python scripts/bench_preemption.py 2>/dev/null | grep -v -e 'Gloo' -e 'connected to' -e 'peer ranks'
   echo
   echo "## --compile: eager against torch.compile, steps/s (each size compiles first: minutes on CPU)"
   echo
@@ -52,7 +52,7 @@ tmp=$(mktemp)
   echo "python scripts/bench_compile.py"
   echo '```'
   echo
-  python scripts/bench_compile.py 2>/dev/null | grep -v -e 'Gloo' -e 'connected to'
+  python scripts/bench_compile.py 2>/dev/null | grep -v -e 'Gloo' -e 'connected to' -e 'peer ranks'
   echo
   echo "## Tokenization throughput"
   echo
