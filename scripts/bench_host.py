@@ -17,9 +17,10 @@ worker (--lhotse-dir names a tokenized dir; else one is made, about 40 s). All N
 and 2N steps stay inside the first epoch (an epoch end would add its checkpoint and
 summary to one side only): a corpus too small for that is refused.
 
-Runs are interleaved and repeated; the median marginal time is reported. Time is the process's CPU time
-(time.process_time): on a shared machine it is what this process itself spent,
-nearly free of other processes' load; on CUDA use --clock wall (the host's
+Runs are interleaved and repeated; the median marginal time is reported. Time is
+the process's CPU time (time.process_time): on a shared machine it is what this
+process itself spent, nearly free of other processes' load (DataLoader workers are
+other processes: their time is not counted); on CUDA use --clock wall (the host's
 CPU time then includes its waits on the device).
 
 `--profile` instead runs the trainer once under torch.profiler, each phase of
