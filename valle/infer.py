@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from valle.args import DTYPES, str2bool
+from valle.infer_checks import TextProblem, length_problem, script_problem, text_limit
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,15 @@ BEST_CHECKPOINT = "best-valid-loss.pt"
 
 class InputError(ValueError):
     """Bad user input (missing file, unknown symbol, empty text): reported without a traceback."""
+
+
+class TextError(InputError):
+    """A text synthesis refuses (a script its language cannot read, too long): ``field`` is the
+    page's form field it concerns ("text" or "prompt_text")."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(message)
+        self.field = field_name
 
 
 @dataclass
@@ -353,6 +363,8 @@ class Synthesizer:
         self.audio_tokenizer = audio_tokenizer
         self.config = dict(checkpoint_config or {})
         self.language_ids = self._language_ids(model, languages or self.config.get("languages"))
+        self.text_limit = text_limit(self.config)
+        self._phoneme_cache: dict[tuple[str, str], list[str]] = {}
 
     def _language_ids(self, model, languages) -> dict[str, int] | None:
         """VALL-E X: espeak language -> id, checked against the model and the two languages."""
@@ -385,13 +397,31 @@ class Synthesizer:
 
         if not text.strip():
             return []
+        key = (text, language)
+        if key in self._phoneme_cache:  # text_problem phonemized it already
+            return self._phoneme_cache[key]
         try:
             syms = self.text_tokenizer([text], language=language)[0]
         except TextTokenizationError as e:
             raise InputError(f"{item.name}: {what} ({language}): {e}") from e
         if not syms:
             raise InputError(f"{item.name}: {what} {text!r} gave no phonemes ({language})")
+        if len(self._phoneme_cache) >= 256:
+            self._phoneme_cache.clear()
+        self._phoneme_cache[key] = syms
         return syms
+
+    def text_problem(self, item: Item, split_sentences: bool = False) -> TextProblem | None:
+        """Why ``item`` cannot be synthesised as given (valle/infer_checks.py), or None: letters
+        its languages cannot read, or a text longer than the checkpoint takes in one piece."""
+        model_languages = list(self.language_ids) if self.language_ids is not None else None
+        problem = (script_problem(item.text, self.language, "text", model_languages)
+                   or script_problem(item.prompt_text, self.prompt_language, "prompt_text",
+                                     model_languages))  # fmt: skip
+        if problem is None and item.text.strip():
+            tokens = len(self._phonemes(item.text, self.language, "text", item))
+            problem = length_problem(tokens, self.text_limit, split_sentences)
+        return problem
 
     def _text_tokens(self, items: list[Item], continual: bool):
         """Token ids of BOS + prompt transcript + text + EOS, and the prompt part's lengths.
@@ -539,11 +569,34 @@ def _units(items: list[Item], split: bool) -> list[tuple[int, Item]]:
     return units
 
 
+def check_text(synth: Synthesizer, item: Item, args: argparse.Namespace) -> None:
+    """Raise ``TextError`` when any piece of ``item`` would be refused (the page's check)."""
+    split = args.split_sentences and not args.continual
+    for _, unit in _units([item], split):
+        problem = synth.text_problem(unit, split)
+        if problem is not None:
+            raise TextError(problem.field, f"{unit.name}: {problem.message}")
+
+
+def _refuse_bad_texts(synth: Synthesizer, units: list[tuple[int, Item]], split: bool,
+                      pieces: list[list[torch.Tensor | Failure]]) -> list[tuple[int, Item]]:
+    """The units to decode; each refused one becomes its item's failure (the others go on)."""
+    kept = []
+    for i, unit in units:
+        problem = synth.text_problem(unit, split)
+        if problem is None:
+            kept.append((i, unit))
+        else:
+            pieces[i].append(Failure(unit.name, problem.message))
+    return kept
+
+
 def synthesize_items(synth: Synthesizer, items: list[Item], args: argparse.Namespace) -> RunResult:
     """Decode every item in batches, write its wav, and report the items that failed."""
     kwargs = {} if args.continual else decode_options(args)
-    units = _units(items, args.split_sentences and not args.continual)
+    split = args.split_sentences and not args.continual
     pieces: list[list[torch.Tensor | Failure]] = [[] for _ in items]
+    units = _refuse_bad_texts(synth, _units(items, split), split, pieces)
     bs = max(1, args.batch_size)
     started = time.monotonic()
     for start in range(0, len(units), bs):

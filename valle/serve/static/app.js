@@ -89,6 +89,11 @@ async function init() {
     o.dataset.url = p.url;
     $("prompt-name").append(o);
   }
+  // an example prompt, when there is one, so that the page synthesises as it opens
+  if (options.prompts.length) {
+    $("prompt-name").value = options.prompts[0].name;
+    $("prompt-name").dispatchEvent(new Event("change"));
+  }
   fillLanguages([options.defaults.language]);
   for (const name of NUMBER_FIELDS) $(name).value = options.defaults[name];
   await loadLanguages();
@@ -127,6 +132,7 @@ function formData() {
   for (const name of NUMBER_FIELDS) {
     const value = $(name).value.trim();
     if (value !== "") data.append(name, value);
+    else if (name === "top_k") data.append(name, "off"); // an empty top-k means off, not "default"
   }
   return data;
 }
