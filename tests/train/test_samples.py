@@ -216,3 +216,19 @@ def read_text_summary(logdir: Path) -> str:
     board.Reload()
     event = board.Tensors("samples/items/text_summary")[0]
     return event.tensor_proto.string_val[0].decode()
+
+
+def test_a_held_out_pair_its_voice_cannot_read_is_named_for_skipping():
+    from types import SimpleNamespace
+
+    from valle.train.samples import unsayable_text
+
+    def cut(cut_id, text, voice):
+        custom = {"espeak_voice": voice} if voice else None
+        return SimpleNamespace(id=cut_id, supervisions=[SimpleNamespace(text=text, custom=custom)])
+
+    good, chinese = cut("a", "the dog", "en-us"), cut("b", "你好", "en-us")
+    assert unsayable_text(good, cut("c", "你好", "cmn")) == ""
+    assert unsayable_text(chinese, good).startswith("cut b: the text has Han letters ('你好')")
+    assert "cut b: the prompt's transcript has Han letters" in unsayable_text(good, chinese)
+    assert unsayable_text(cut("d", "你好", None), good) == ""  # no recorded voice: not judged
