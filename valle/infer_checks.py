@@ -14,10 +14,17 @@ Torch-free, phonemizer-free: the phonemes are counted by the caller.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from valle.data.scripts import languages_for_script, unreadable_letters
+from valle.data.scripts import (
+    language_scripts,
+    languages_for_script,
+    script_runs,
+    text_scripts,
+    unreadable_letters,
+)
 
 # bin/trainer.py's (and lifeiteng's) --filter-max-duration default: the training length of a
 # checkpoint whose config does not record one.
@@ -79,3 +86,58 @@ def length_problem(tokens: int, limit: TextLimit, split_sentences: bool) -> Text
            else "turn on sentence splitting (bin/infer.py --split-sentences) or shorten it")  # fmt: skip
     return TextProblem("text", f"the text is {tokens} text tokens long, more than this checkpoint "
                                f"takes in one piece ({limit.max_tokens}: {limit.source}): {way}")  # fmt: skip
+
+
+# ------------------------------------------------------------------ --language auto
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Segment:
+    text: str
+    language: str
+
+
+def _first_fitting(script: str, piece: str, model_languages: list[str] | None,
+                   fits: Callable[[str, str], bool]) -> tuple[str | None, list[str]]:  # fmt: skip
+    """(the first language that reads ``script`` and whose phonemes of ``piece`` the checkpoint
+    knows, or None; the languages tried)."""
+    tried = []
+    for language in languages_for_script(script, model_languages):
+        tried.append(language)
+        if fits(piece, language):
+            return language, tried
+    return None, tried
+
+
+def auto_segments(sentence: str, model_languages: list[str] | None, fits: Callable[[str, str], bool],
+                  field: str = "text", default: str = "en-us") -> list[Segment] | TextProblem:  # fmt: skip
+    """``--language auto`` for one sentence: its main script picks its language (the first of
+    ``model_languages``, or of the common voices, that reads the script and whose phonemes the
+    checkpoint's symbol table has: ``fits(piece, language)``). Letters of another script inside
+    it (an English name in Chinese) are said in a language of their own, as VALL-E X says a
+    prompt and a text in two languages. A script no such language reads is a problem."""
+    runs = script_runs(sentence)
+    counts = text_scripts(sentence)
+    if not counts:  # digits and marks only: said in the default language
+        return [Segment(sentence, model_languages[0] if model_languages else default)]
+    main_script = counts.most_common(1)[0][0]
+    main_piece = " ".join(piece for script, piece in runs if script == main_script)
+    main, tried = _first_fitting(main_script, main_piece, model_languages, fits)
+    segments: list[Segment] = []
+    for script, piece in runs:
+        language = main if main is not None and script in (language_scripts(main) or ()) else None
+        if language is None:
+            language, tried = _first_fitting(script, piece, model_languages, fits)
+        if language is None:
+            what = "the text" if field == "text" else "the prompt's transcript"
+            why = (f"none of the languages that read it ({', '.join(tried)}) has phonemes this "
+                   "checkpoint's symbol table holds" if tried else
+                   "none of this checkpoint's languages reads it" if model_languages is not None else
+                   "no language known here reads it")  # fmt: skip
+            return TextProblem(field, f"{what} has {script} letters ({piece.strip()[:20]!r}): {why}")
+        if segments and segments[-1].language == language:
+            segments[-1] = Segment(segments[-1].text + piece, language)
+        else:
+            segments.append(Segment(piece, language))
+    return segments

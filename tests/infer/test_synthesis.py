@@ -154,14 +154,14 @@ def test_prompt_and_text_are_phonemized_in_their_own_languages(setup):
     model = tiny_model("valle", 4).eval()
     synth = Synthesizer(model, table, FakeCodec(), "cpu", language="cmn", prompt_language="en-us")
     item = Item("the dog", str(prompt), "你好", Path("x.wav"), "item 0")
-    tokens, lens, prompt_lens = synth._text_tokens([item], continual=False)
+    tokens, lens, prompt_lens, _ = synth._text_tokens([item], continual=False)
     en = TextTokenizer()(["the dog"], language="en-us")[0]
     cmn = TextTokenizer()(["你好"], language="cmn")[0]
     ids = [synth.collater.symbol_table.get(s) for s in en + [WORD_SEP] + cmn]
     assert tokens[0].tolist() == [synth.collater.bos_id, *ids, synth.collater.eos_id]
     assert prompt_lens.tolist() == [len(en) + 1]
-    # One language for both: the Mandarin text in English espeak gives other symbols.
-    with pytest.raises(InputError, match="unknown text symbol"):
+    # One language for both: English espeak cannot read the Mandarin text (issue #42).
+    with pytest.raises(InputError, match="item 0: the text has Han letters"):
         Synthesizer(model, table, FakeCodec(), "cpu", language="en-us")._text_tokens([item], False)
 
 
@@ -270,8 +270,8 @@ def test_cross_lingual_synthesis(setup, tmp_path):
     synth = Synthesizer(model, table, FakeCodec(), "cpu", language="cmn", prompt_language="en-us",
                         checkpoint_config={"languages": ["en-us", "cmn"]})  # fmt: skip
     item = Item("the dog", str(prompt), "你好", tmp_path / "x.wav", "item 0")
-    tokens, _, prompt_lens = synth._text_tokens([item], continual=False)
-    langs = synth._text_languages(tokens, prompt_lens)
+    tokens, _, prompt_lens, token_languages = synth._text_tokens([item], continual=False)
+    langs = synth._text_languages(tokens, token_languages)
     n_prompt = int(prompt_lens[0]) + 1  # BOS + the English transcript (+ word separator)
     assert langs[0, :n_prompt].tolist() == [0] * n_prompt
     assert langs[0, n_prompt:].tolist() == [1] * (tokens.shape[1] - n_prompt)

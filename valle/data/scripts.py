@@ -93,8 +93,22 @@ def languages_for_script(script: str, among: list[str] | None = None) -> list[st
     if among is not None:
         return [lang for lang in among if script in (language_scripts(lang) or ())]
     if script == "Latin":
-        return ["en-us", "en-gb", "fr-fr", "de", "es", "it", "pt", "..."]
+        return ["en-us", "en-gb", "fr-fr", "de", "es", "it", "pt"]
     return list(_OTHER_SCRIPT_LANGUAGES.get(script, ()))
+
+
+def script_runs(text: str) -> list[tuple[str | None, str]]:
+    """``text`` cut where the script of its letters changes: (script, piece) pairs whose pieces
+    join back to ``text``. What is not a letter (spaces, digits, marks) stays with the letters
+    before it; a text without letters is one run of script None."""
+    runs: list[tuple[str | None, str]] = []
+    for ch in text:
+        script = letter_script(ch)
+        if runs and (script is None or runs[-1][0] in (None, script)):
+            runs[-1] = (runs[-1][0] if script is None else script, runs[-1][1] + ch)
+        else:
+            runs.append((script, ch))
+    return runs
 
 
 def unreadable_letters(text: str, language: str) -> dict[str, str]:
