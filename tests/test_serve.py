@@ -147,6 +147,13 @@ def test_uploaded_prompt_gives_a_playable_wav_and_spectrogram(client, served):
 
 
 @pytest.mark.timeout(300)
+def test_language_auto_reads_each_sentence_by_its_script(client, served):
+    response = _post(client, prompt=served["prompt"], language="auto", text=TEXT)
+    assert response.status_code == 200, response.text
+    assert _check_wav(client.get(response.json()["wav_url"]).content) > 0
+
+
+@pytest.mark.timeout(300)
 def test_example_prompt_by_name(client):
     response = _post(client, prompt_name="fox.wav", checkpoint="epoch-1.pt")
     assert response.status_code == 200, response.text
@@ -171,6 +178,8 @@ def test_example_prompt_by_name(client):
         ({"text": "你好世界，今天天气很好。"}, "ok", "text",
          "the text has Han letters ('你好世界今天气很') that the en-us voice cannot read as words"),
         ({"prompt_text": "Привет"}, "ok", "prompt_text", "the prompt's transcript has Cyrillic letters"),
+        ({"text": "你好", "language": "auto"}, "ok", "text",
+         "Han letters ('你好'): none of the languages that read it (cmn, yue"),
         ({"text": "jumps over the dog. " * 60}, "ok", "text",
          "more than this checkpoint takes in one piece (625: its longest training items"),
         ({"checkpoint": "x/epoch-2.pt", "language": "de"}, "ok", None,
@@ -410,6 +419,6 @@ def test_page_in_headless_chromium(app, served, tmp_path):
                 "document.getElementById('checkpoint-status').textContent.startsWith('multilingual')")
             assert page.is_visible("#prompt-language")
             assert page.eval_on_selector_all("#language option", "os => os.map(o => o.value)") == [
-                "en-us", "fr-fr"]  # fmt: skip
+                "en-us", "fr-fr", "auto"]  # fmt: skip
         finally:
             browser.close()

@@ -133,3 +133,23 @@ def test_script_problem_names_the_script_and_who_can_say_it(text, language, mode
         assert problem is None
     else:
         assert problem is not None and problem.field == "text" and expected in problem.message
+
+
+def test_auto_segments_split_a_sentence_by_script():
+    from valle.data.scripts import script_runs
+    from valle.infer_checks import Segment, TextProblem, auto_segments
+
+    text = "我叫John，你好。"
+    assert "".join(piece for _, piece in script_runs(text)) == text
+    every = lambda piece, language: True  # noqa: E731
+    assert auto_segments(text, ["en-us", "cmn"], every) == [
+        Segment("我叫", "cmn"), Segment("John，", "en-us"), Segment("你好。", "cmn")]  # fmt: skip
+    # no model languages: the common voices of each script, the first the table covers
+    only_yue = lambda piece, language: language in ("en-us", "yue")  # noqa: E731
+    assert auto_segments("Hello 你好", None, only_yue) == [Segment("Hello ", "en-us"), Segment("你好", "yue")]
+    assert auto_segments("12, 34.", ["cmn", "en-us"], every) == [Segment("12, 34.", "cmn")]
+    refused = auto_segments("Привет", ["en-us", "cmn"], every)
+    assert isinstance(refused, TextProblem) and "none of this checkpoint's languages reads it" in refused.message
+    refused = auto_segments("你好", None, lambda piece, language: False, "prompt_text")
+    assert refused.field == "prompt_text"
+    assert "none of the languages that read it (cmn, yue, hak, ja, ko) has phonemes" in refused.message

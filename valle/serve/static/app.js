@@ -47,12 +47,15 @@ async function getJSON(url, init) {
   return body;
 }
 
+// The text may also be "auto": each sentence in the language its script and the checkpoint choose.
 function fillLanguages(languages) {
   for (const id of ["language", "prompt-language"]) {
     const select = $(id);
     const keep = select.value;
-    select.replaceChildren(...languages.map((l) => option(l)));
-    if (languages.includes(keep)) select.value = keep;
+    const choices = languages.map((l) => option(l));
+    if (id === "language") choices.push(option("auto", "auto (by script)"));
+    select.replaceChildren(...choices);
+    if (choices.some((o) => o.value === keep)) select.value = keep;
   }
   $("prompt-language-box").hidden = languages.length < 2;
 }
