@@ -264,11 +264,16 @@ def test_docs_show_every_flag():
     assert sorted(f for f in flags - {"--help"} if f"`{f}`" not in doc) == []
 
 
+def _bilingual(table, language: str):
+    """(a tiny VALL-E X model of en-us and cmn, its Synthesizer for ``language`` and English prompts)."""
+    model = tiny_model("valle", 1, num_languages=2).eval()
+    return model, Synthesizer(model, table, FakeCodec(), "cpu", language=language, prompt_language="en-us",
+                              checkpoint_config={"languages": ["en-us", "cmn"]})  # fmt: skip
+
+
 def test_cross_lingual_synthesis(setup, tmp_path):
     _, table, prompt = setup
-    model = tiny_model("valle", 1, num_languages=2).eval()
-    synth = Synthesizer(model, table, FakeCodec(), "cpu", language="cmn", prompt_language="en-us",
-                        checkpoint_config={"languages": ["en-us", "cmn"]})  # fmt: skip
+    model, synth = _bilingual(table, "cmn")
     item = Item("the dog", str(prompt), "你好", tmp_path / "x.wav", "item 0")
     tokens, _, prompt_lens, token_languages = synth._text_tokens([item], continual=False)
     langs = synth._text_languages(tokens, token_languages)
@@ -316,9 +321,7 @@ def test_language_auto_says_each_script_in_its_language(setup, tmp_path):
     from valle.data.text import WORD_SEP, TextTokenizer
 
     _, table, prompt = setup
-    model = tiny_model("valle", 1, num_languages=2).eval()
-    synth = Synthesizer(model, table, FakeCodec(), "cpu", language="auto", prompt_language="en-us",
-                        checkpoint_config={"languages": ["en-us", "cmn"]})  # fmt: skip
+    _, synth = _bilingual(table, "auto")
     item = Item("the dog", str(prompt), "你好 the fox。", tmp_path / "x.wav", "item 0")
     tokens, _, _, token_languages = synth._text_tokens([item], continual=False)
     en, cmn = TextTokenizer(), TextTokenizer(language="cmn")
