@@ -142,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--use-averaged-model", action="store_true", help="use the checkpoint's averaged weights"
     )
     p.add_argument("--text-tokens", default=None, help="symbol table; default: the checkpoint's")
-    p.add_argument("--language", default="en-us", help="espeak language of --text")
+    p.add_argument("--language", default="en-us",
+                   help="espeak language of --text; auto: each sentence in the language of its "
+                        "script that the checkpoint's symbol table covers (docs/inference.md)")  # fmt: skip
     p.add_argument("--prompt-language", default=None,
                    help="espeak language of --text-prompts (default: --language)")  # fmt: skip
     p.add_argument("--languages", default=None,
