@@ -119,6 +119,15 @@ class AttentionProbe:
         self.scores.append(scores)
 
 
+def project(proj: nn.Linear, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``proj``'s weight with ``bias`` in place of its own: the fused projections keep their
+    (zero) key bias outside the module. A layer with a LoRA adapter (valle.models.lora) adds
+    its ``low_rank_update``; without one this is the plain fused product, bit for bit."""
+    out = F.linear(x, proj.weight, bias)
+    update = getattr(proj, "low_rank_update", None)
+    return out if update is None else out + update(x)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention; self-attention uses one fused QKV projection."""
 
@@ -161,13 +170,13 @@ class MultiHeadAttention(nn.Module):
             if cache is not None and cache.memory_kv is not None:
                 k, v = cache.memory_kv  # the text memory does not change while decoding
             else:
-                kv = F.linear(memory, self.kv_proj.weight, torch.cat([self.k_bias, self.v_bias]))
+                kv = project(self.kv_proj, memory, torch.cat([self.k_bias, self.v_bias]))
                 k, v = self._heads(kv, 2).unbind(0)
                 if cache is not None:
                     cache.memory_kv = (k, v)
         else:
             bias = torch.cat([self.q_bias, self.k_bias, self.v_bias])
-            q, k, v = self._heads(F.linear(x, self.qkv_proj.weight, bias), 3).unbind(0)
+            q, k, v = self._heads(project(self.qkv_proj, x, bias), 3).unbind(0)
             if cache is not None:
                 k, v = cache.self_attn.append(k, v)
                 if mask is not None and mask.shape[-1] < k.shape[2]:
