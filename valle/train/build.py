@@ -20,6 +20,7 @@ from valle.train.compile import TrainingCompiler, attach_compiler
 from valle.train.config import TrainConfig
 from valle.train.data import TrainData, build_train_data
 from valle.train.dist import DistContext
+from valle.train.finetune import LoraRun, adapters_only, attach_lora, check_lora_resume, load_adapters
 from valle.train.metrics import TensorBoardLogger
 from valle.train.optim import build_optimizer
 from valle.train.preemption import Preemption
@@ -62,6 +63,7 @@ class Run:
     preemption: Preemption = field(default_factory=lambda: Preemption(0.0))
     compiler: TrainingCompiler | None = None  # --compile
     samples: Any = None  # valle.train.samples.SampleWriter, made by its first pass (rank 0)
+    lora: LoraRun | None = None  # --lora-rank: the adapters trained on a frozen base
 
 
 def control_channel(ctx: DistContext) -> ControlChannel:
@@ -127,14 +129,22 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     torch.manual_seed(cfg.seed)
     payload = find_resume_payload(cfg)
     architecture, initial_weights = payload, None
-    if payload is None and cfg.start_from:
+    # LoRA resumes load the frozen base again: the checkpoints hold the adapters alone.
+    if cfg.start_from and (payload is None or cfg.lora.enabled):
         from valle.models.convert import load_model_checkpoint
 
         # the architecture of the weights we start from, whatever the flags say
         initial_weights, hparams = load_model_checkpoint(cfg.start_from)
         architecture = {"config": hparams, "model": {}}
     model = get_model(model_hparams(cfg, architecture)).to(ctx.device)
-    named = model.stage_parameters(cfg.train_stage)
+    lora = None
+    if cfg.lora.enabled:
+        lora = attach_lora(cfg.lora, cfg.start_from, model, initial_weights)
+        initial_weights = None
+    if payload is not None:
+        check_lora_resume(lora, payload, f"the checkpoint resumed from in {cfg.exp_dir}")
+    # Frozen parameters (a LoRA base) hold no optimizer state and join no gradient bucket.
+    named = [(n, p) for n, p in model.stage_parameters(cfg.train_stage) if p.requires_grad]
     optimizer = build_optimizer(cfg.optimizer_name, named, cfg.base_lr, weight_decay=cfg.weight_decay)
     scheduler = build_scheduler(cfg.scheduler_name, optimizer, cfg.warmup_steps,
                                 total_steps=cfg.max_steps or None, lr_batches=cfg.lr_batches,
@@ -169,6 +179,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
               TensorBoardLogger(cfg.exp_dir / "tensorboard" / f"stage{cfg.train_stage}", enabled=cfg.tensorboard and ctx.is_main),
               StallWatchdog(cfg.stall_factor, cfg.stall_min_seconds,
                             cfg.exp_dir / "log" / f"stall-rank{ctx.rank}.txt", ctx.rank))
+    run.lora = lora
     if payload is not None:
         # A new stage has a new memory profile: only a same-stage resume skips the scan.
         run.resumed = not restore(run, payload)
@@ -238,7 +249,11 @@ def restore(run: Run, payload: dict) -> list[str]:
     if dropped:
         logger.warning("checkpoint was trained in another stage: dropped %s; keeping the weights",
                        ", ".join(dropped))
-    missing, unexpected = run.model.load_state_dict(payload["model"], strict=False)
+    if run.lora is not None:
+        load_adapters(run.model, payload, f"the checkpoint resumed from in {run.cfg.exp_dir}")
+        missing, unexpected = [], []
+    else:
+        missing, unexpected = run.model.load_state_dict(payload["model"], strict=False)
     if missing or unexpected:
         logger.warning("checkpoint weights: %d missing, %d unexpected keys", len(missing), len(unexpected))
     if run.averager is not None and payload.get("model_avg") is not None:
@@ -257,8 +272,22 @@ def restore(run: Run, payload: dict) -> list[str]:
 
 
 def averaged_state(run: Run) -> dict[str, torch.Tensor] | None:
-    """The averaged model as a full model state dict (None without --average-period)."""
-    return run.averager.averaged_state_dict(run.model) if run.averager else None
+    """The averaged model as a full model state dict (None without --average-period); a
+    LoRA run's adapters alone."""
+    state = run.averager.averaged_state_dict(run.model) if run.averager else None
+    return adapters_only(state) if run.lora is not None else state
+
+
+def model_state(run: Run) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of the model: its state dict, or a LoRA run's adapters."""
+    from valle.models.lora import lora_state_dict
+
+    return lora_state_dict(run.model) if run.lora is not None else run.model.state_dict()
+
+
+def checkpoint_extras(run: Run) -> dict[str, Any]:
+    """Payload entries beyond the documented format: a LoRA run's ``lora`` (its base)."""
+    return {"lora": run.lora.entry()} if run.lora is not None else {}
 
 
 def active_scaler(run: Run) -> torch.amp.GradScaler | None:

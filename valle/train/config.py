@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from valle.args import DTYPE_NAMES, str2bool
+from valle.models.lora import LORA_TARGETS, LoraConfig, parse_targets
 from valle.train.optim import OPTIMIZERS
 from valle.train.resilience.faults import FaultSpec, parse_fault
 from valle.train.resilience.gradsync import SYNC_MODES
@@ -83,6 +84,7 @@ class TrainConfig:
     synthetic_data: int = 0  # >0: train on that many synthetic cuts (no corpus needed)
     synthetic_batch_size: int = 8
     synthetic_partition: str = "rows"
+    lora: LoraConfig = field(default_factory=LoraConfig)  # --lora-*: adapters on --start-from
     # every flag as given (model and data flags included), for checkpoints and builders
     args: dict[str, Any] = field(default_factory=dict)
 
@@ -140,6 +142,7 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                    help="--compile: pad text and frames to multiples of this so bucketed "
                         "lengths do not recompile (masks keep the loss exact); 1: no padding")
     g.add_argument("--compile-backend", default=d.compile_backend, help=argparse.SUPPRESS)
+    add_lora_arguments(parser, d.lora)
 
     r = parser.add_argument_group("resilience")
     r.add_argument("--grad-sync", default=d.grad_sync, choices=SYNC_MODES)
@@ -187,6 +190,22 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--synthetic-partition", default=d.synthetic_partition, choices=("rows", "batches"))
 
 
+def add_lora_arguments(parser: argparse.ArgumentParser, d: LoraConfig) -> None:
+    """LoRA fine-tuning (docs/training.md): adapters on the frozen --start-from weights."""
+    g = parser.add_argument_group("LoRA fine-tuning")
+    g.add_argument("--lora-rank", type=int, default=d.rank,
+                   help="train rank-R adapters on the frozen --start-from weights; checkpoints "
+                        "hold the adapters alone (0: off, every parameter trains)")
+    g.add_argument("--lora-alpha", type=float, default=d.alpha,
+                   help="the adapters' update is scaled by alpha / rank")
+    g.add_argument("--lora-dropout", type=float, default=d.dropout,
+                   help="dropout on the adapters' input")
+    g.add_argument("--lora-targets", type=parse_targets, default=d.targets,
+                   help=f"layers given adapters, comma separated, of {','.join(LORA_TARGETS)} "
+                        "(attn: attention projections, ffn: feed-forward, embed: embeddings, "
+                        "head: the AR output layer)")
+
+
 def add_sample_arguments(parser: argparse.ArgumentParser, d: TrainConfig) -> None:
     """Hear it train (docs/training.md): rank 0 synthesises fixed held-out items at each
     validation and writes audio, mel/attention images and scores to TensorBoard."""
@@ -213,9 +232,11 @@ def add_sample_arguments(parser: argparse.ArgumentParser, d: TrainConfig) -> Non
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    names = {f.name for f in dataclasses.fields(TrainConfig)} - {"args"}
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - {"args", "lora"}
     values = {k: v for k, v in vars(args).items() if k in names}
-    cfg = TrainConfig(**values, args=plain_args(args))
+    lora = LoraConfig(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                      targets=tuple(args.lora_targets))
+    cfg = TrainConfig(**values, lora=lora, args=plain_args(args))
     validate_config(cfg)
     return cfg
 
@@ -226,7 +247,7 @@ def plain_args(args: argparse.Namespace) -> dict[str, Any]:
     for k, v in vars(args).items():
         if isinstance(v, Path):
             v = str(v)
-        elif isinstance(v, list):
+        elif isinstance(v, (list, tuple)):
             v = [str(x) if isinstance(x, (Path, FaultSpec)) else x for x in v]
         out[k] = v
     return out
@@ -258,6 +279,16 @@ def validate_config(cfg: TrainConfig) -> None:
             decode_flags(cfg.valid_samples_decode)
         except DecodeFlagsError as e:
             bad("--valid-samples-decode", str(e))
+    try:
+        cfg.lora.check()
+    except ValueError as e:
+        bad("--lora-*", str(e))
+    if cfg.lora.enabled and not cfg.start_from:
+        bad("--lora-rank", "LoRA adapts pretrained weights: give them with --start-from")
+    if cfg.lora.enabled and cfg.optimizer_name == "ScaledAdam":
+        # ScaledAdam scales each update by the tensor's own size, and lora_B starts at zero.
+        logger.warning("--lora-rank with --optimizer-name ScaledAdam: the zero-initialised "
+                       "adapters barely move; use --optimizer-name AdamW (docs/training.md)")
     if cfg.compile_pad < 1:
         bad("--compile-pad", "must be >= 1")
     if cfg.save_every_n < 1 or cfg.valid_interval < 1 or cfg.log_interval < 1:

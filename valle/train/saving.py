@@ -7,7 +7,7 @@ import errno
 import logging
 from pathlib import Path
 
-from valle.train.build import Run, active_scaler, averaged_state
+from valle.train.build import Run, active_scaler, averaged_state, checkpoint_extras, model_state
 from valle.train.checkpoint import (
     make_payload,
     readable_checkpoints,
@@ -53,7 +53,7 @@ def write_checkpoint(run: Run, path: Path, sampler: dict, next_epoch: bool) -> b
     def write() -> None:
         scaler = active_scaler(run)
         payload = make_payload(
-            model=run.model.state_dict(),
+            model=model_state(run),
             model_avg=averaged_state(run),
             optimizer=run.optimizer.state_dict(), scheduler=run.scheduler.state_dict(),
             scaler=scaler.state_dict() if scaler is not None else None,
@@ -61,7 +61,7 @@ def write_checkpoint(run: Run, path: Path, sampler: dict, next_epoch: bool) -> b
             epoch=run.epoch + 1 if next_epoch else run.epoch,
             batch_in_epoch=0 if next_epoch else sampler.get("batch_in_epoch", 0),
             train_stage=run.cfg.train_stage, config=run.cfg.args, quarantine=run.quarantine.state(),
-        )
+        ) | checkpoint_extras(run)
         run.stepper.faults.maybe_fail_save(path)
         logger.info("saved %s", save_checkpoint(path, payload))
 
@@ -84,5 +84,6 @@ def save_best_model(run: Run, kind: str) -> None:
     if not run.ctx.is_main:
         return
     run.stepper.local("checkpoint", lambda: save_best(run.cfg.exp_dir, kind, make_payload(
-        model=run.model.state_dict(), model_avg=averaged_state(run), step=run.step,
-        epoch=run.epoch, train_stage=run.cfg.train_stage, config=run.cfg.args)))
+        model=model_state(run), model_avg=averaged_state(run), step=run.step,
+        epoch=run.epoch, train_stage=run.cfg.train_stage, config=run.cfg.args
+    ) | checkpoint_extras(run)))
