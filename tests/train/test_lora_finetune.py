@@ -125,3 +125,39 @@ def test_injected_ooms_with_lora_end_where_the_fault_free_run_ends(tmp_path, bas
     for other in faulty[1:]:
         for name, value in faulty[0]["params"].items():
             assert torch.equal(other["params"][name], value), name
+
+
+@pytest.mark.multiproc
+def test_preempted_lora_run_resumes_to_the_uninterrupted_adapters(tmp_path, base):
+    """SIGTERM inside a step (an injected stall holds it there): the adapters' checkpoint at
+    the step boundary, exit 17, and the same command finishes where an uninterrupted run does."""
+    import signal
+    import sys
+
+    from tests.train.test_preemption import REPO, finish, output, run, start, wait_for_log
+    from valle.train.preemption import EXIT_PREEMPTED
+
+    base_path, _ = base
+
+    def command(exp, *extra):
+        return [sys.executable, str(REPO / "bin" / "trainer.py"),
+                *argv(exp, "--start-from", base_path, *LORA, "--save-every-n", "100",
+                      "--stall-seconds", "2", *extra, epochs=2)]
+
+    reference = run(command(tmp_path / "reference"), timeout=200)
+    assert reference.returncode == 0, output(reference)
+    exp, log = tmp_path / "preempted", tmp_path / "launch1.log"
+    cmd = command(exp, "--inject-fault", "stall@4")
+    proc = start(cmd, log)
+    wait_for_log(log, "injected stall")
+    proc.send_signal(signal.SIGTERM)
+    assert finish(proc) == EXIT_PREEMPTED, log.read_text()[-4000:]
+    assert set(load_checkpoint(exp / "checkpoint-5.pt")["model"]) == set(
+        load_checkpoint(tmp_path / "reference" / "epoch-2.pt")["model"])
+    again = run(cmd, timeout=200)
+    assert again.returncode == 0, output(again)
+    a, b = (load_checkpoint(d / "epoch-2.pt") for d in (tmp_path / "reference", exp))
+    assert a["step"] == b["step"] == 12
+    for key in ("model", "model_avg"):
+        for name in a[key]:
+            torch.testing.assert_close(b[key][name], a[key][name], rtol=1e-6, atol=1e-7)
