@@ -68,7 +68,8 @@ def main() -> int:
     p.add_argument("--steps", default="startup,1,3",
                    help="steps whose allocations are failed (startup: the set-up; 1: a mid step with "
                         "validation, consistency check, checkpoint, then the run's end; 3: the epoch end)")
-    p.add_argument("--scenarios", default="plain,retry,repair")
+    p.add_argument("--scenarios", default="plain,retry,repair",
+                   help="plain, retry, repair, lora (LoRA adapters on a frozen base)")
     p.add_argument("--failing", default="one,some,all", help="which failing-rank sets")
     p.add_argument("--select", default="kinds", choices=("kinds", "ends", "phases", "all"),
                    help="kinds: the first allocation of every (phase, op) kind of the step; "

@@ -49,7 +49,9 @@ class SweepConfig:
     # 1: a mid step with validation, consistency check, checkpoint, then the run's end;
     # 3: the epoch's end (all ranks dry, epoch checkpoint)
     fault_step: int = 1
-    scenario: str = "plain"  # plain, retry (a named forward OOM first), repair (a damaged rank)
+    # plain, retry (a named forward OOM first), repair (a damaged rank), lora (plain, training
+    # LoRA adapters on a frozen base: --lora-rank on --start-from)
+    scenario: str = "plain"
     # Trainer flags added to the tiny model's (e.g. --guided-attention-weight 1: the demo's
     # AR loss, whose probe allocates in the forward).
     model_flags: tuple[str, ...] = ()
@@ -120,7 +122,33 @@ def trainer_argv(exp_dir: Path, cfg: SweepConfig, extra: list[str]) -> list[str]
         # rank w-1's update fails at step fault_step-1 on every local retry (2, so x3): it
         # is repaired from rank 0 in step fault_step, whose allocations are swept
         argv += ["--inject-fault", f"optimizer@{cfg.fault_step - 1}x3:{w - 1}"]
+    elif cfg.scenario == "lora":
+        argv += ["--start-from", str(LORA_BASE), "--lora-rank", "4", "--optimizer-name", "AdamW"]
     return argv + list(cfg.model_flags) + extra
+
+
+# The lora scenario's base: the tiny model's initial weights, written by each sweep's dry run.
+LORA_BASE = Path(tempfile.gettempdir()) / "valle-oom-sweep-lora-base.pt"
+
+
+def write_lora_base(cfg: SweepConfig) -> None:
+    """The frozen base of the lora scenario (atomic: concurrent sweeps write the same bytes)."""
+    import os
+
+    import torch
+
+    from valle.models import get_model
+    from valle.train.build import model_hparams
+    from valle.train.checkpoint import make_payload
+    from valle.train.cli import parse_config
+
+    config = parse_config(trainer_argv(LORA_BASE.parent / "unused", SweepConfig(cfg.world_size), []))
+    torch.manual_seed(config.seed)
+    model = get_model(model_hparams(config, None))
+    tmp = LORA_BASE.with_name(f"{LORA_BASE.name}.{os.getpid()}.tmp")
+    torch.save(make_payload(model=model.state_dict(), step=0, epoch=1, train_stage=0,
+                            config=config.args), tmp)
+    os.replace(tmp, LORA_BASE)
 
 
 def _quiet() -> None:
@@ -215,6 +243,8 @@ def census_worker(rank: int, world_size: int, argv: list[str]) -> dict[str, Any]
 def dry_run(cfg: SweepConfig, root: Path) -> tuple[dict[int, list[list[str]]], dict]:
     """The census of the target step on every rank, and the fault-free parameters."""
     exp = root / "dry"
+    if cfg.scenario == "lora":
+        write_lora_base(cfg)
     argv = trainer_argv(exp, cfg, ["--count-allocations", str(root / "census.json")])
     results = run_world(census_worker, cfg.world_size, argv, timeout=180)
     outcome = [r for r in results if r[0] != "ok" or not r[1]["ok"]]

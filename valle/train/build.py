@@ -20,7 +20,13 @@ from valle.train.compile import TrainingCompiler, attach_compiler
 from valle.train.config import TrainConfig
 from valle.train.data import TrainData, build_train_data
 from valle.train.dist import DistContext
-from valle.train.finetune import LoraRun, adapters_only, attach_lora, check_lora_resume, load_adapters
+from valle.train.finetune import (
+    LoraRun,
+    adapters_only,
+    attach_lora,
+    check_lora_resume,
+    load_adapters,
+)
 from valle.train.metrics import TensorBoardLogger
 from valle.train.optim import build_optimizer
 from valle.train.preemption import Preemption

@@ -24,6 +24,8 @@ CONFIGS = [
     SweepConfig(world_size=2, scaler=True, failing="all", fault_step=1),
     # a damaged rank repaired from rank 0, with rank 0's allocations failing
     SweepConfig(world_size=2, scaler=False, failing="some", fault_step=1, scenario="repair"),
+    # LoRA adapters on a frozen base: only they are bucketed, updated, averaged and repaired
+    SweepConfig(world_size=2, scaler=False, failing="all", fault_step=1, scenario="lora"),
 ]
 
 
