@@ -139,8 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resynthesise the prompt audio: codebook 0 from it, the NAR predicts "
                         "the rest; --text-prompts is its whole transcript and --text is not used")  # fmt: skip
     p.add_argument(
-        "--use-averaged-model", action="store_true", help="use the checkpoint's averaged weights"
+        "--use-averaged-model", action="store_true",
+        help="use the checkpoint's averaged weights (with --lora: the adapters' averaged copy)"
     )
+    p.add_argument("--lora", default=None, metavar="ADAPTERS",
+                   help="LoRA adapters of a fine-tuning run (bin/trainer.py --lora-rank) applied to "
+                        "--checkpoint, their base (checked by hash); an adapters file given as "
+                        "--checkpoint uses the base it recorded")  # fmt: skip
+    p.add_argument("--merge-lora", default=None, metavar="OUT",
+                   help="write the base with the adapters merged into its weights to OUT (a normal "
+                        "checkpoint), then synthesise if there is text")  # fmt: skip
     p.add_argument("--text-tokens", default=None, help="symbol table; default: the checkpoint's")
     p.add_argument("--language", default="en-us",
                    help="espeak language of --text; auto: each sentence in the language of its "
@@ -296,18 +304,32 @@ def load_model(
     device: torch.device | str = "cpu",
     use_averaged_model: bool = False,
     dtype: torch.dtype = torch.float32,
+    lora: str | Path | None = None,
 ):
     """(model in eval mode on ``device``, the checkpoint's config dict with the model's hparams).
 
-    Our checkpoints and lifeiteng/vall-e's (converted) are both accepted.
+    Our checkpoints and lifeiteng/vall-e's (converted) are both accepted. ``lora``: adapters
+    of a LoRA run applied to it (``use_averaged_model`` then picks the adapters' average); a
+    LoRA run's adapters file as ``path`` is applied to the base it recorded.
     """
     from valle.models import get_model
     from valle.models.convert import CheckpointError, from_payload, load_payload
+    from valle.models.lora import is_adapters_payload
 
     path = select_checkpoint(path)
     try:
         payload = load_payload(path)
-        state, hp = from_payload(payload, str(path), use_averaged_model=use_averaged_model)
+        if is_adapters_payload(payload):
+            if lora is not None:
+                raise InputError(f"--checkpoint {path}: LoRA adapters, not a base model")
+            lora, path = path, Path(payload["lora"]["base"])
+            logger.info("--checkpoint %s: LoRA adapters, applied to their base %s", lora, path)
+            if not path.is_file():
+                raise InputError(f"--checkpoint {lora}: LoRA adapters whose base {path} is not "
+                                 f"there: pass --checkpoint BASE --lora {lora}")
+            payload = load_payload(path)
+        state, hp = from_payload(payload, str(path),
+                                 use_averaged_model=use_averaged_model and lora is None)
     except CheckpointError as e:
         raise InputError(f"--checkpoint: {e}") from e
     config = {**dict(payload.get("config") or {}), **hp}
@@ -321,7 +343,45 @@ def load_model(
             f"({len(missing)} missing, e.g. {missing[:3]}; {len(unexpected)} unexpected, "
             f"e.g. {unexpected[:3]})"
         )
+    if lora is not None:
+        config = apply_adapters(model, config, hp, Path(lora), path, use_averaged_model)
     return model.to(device=device, dtype=dtype).eval(), config
+
+
+def apply_adapters(model, config: dict[str, Any], hp: dict[str, Any], adapters: Path,
+                   base: Path, use_averaged_model: bool) -> dict[str, Any]:
+    """--lora: the adapters on the base model (in place); the config gains the fine-tuning
+    run's (its symbol table and codec), the base's architecture kept."""
+    from valle.models.convert import CheckpointError
+    from valle.models.lora import LoraError, attach_adapters, read_adapters
+
+    try:
+        payload = read_adapters(adapters)
+        attach_adapters(model, payload, f"--lora {adapters}", f"--checkpoint {base}",
+                        use_averaged_model)
+    except (LoraError, CheckpointError) as e:
+        raise InputError(str(e)) from e
+    logger.info("--lora %s: rank %d adapters on %s", adapters, payload["lora"]["config"]["rank"], base)
+    return {**config, **dict(payload.get("config") or {}), **hp, "lora_adapters": str(adapters)}
+
+
+def write_merged_lora(args: argparse.Namespace) -> Path:
+    """--merge-lora OUT: the base with its adapters folded into the weights, a normal checkpoint."""
+    from valle.models.lora import has_lora, merge_lora, merged_checkpoint, read_adapters
+
+    model, config = load_model(args.checkpoint, "cpu", args.use_averaged_model, torch.float32,
+                               lora=args.lora)
+    if not has_lora(model):
+        raise InputError(f"--merge-lora: {args.checkpoint} has no adapters to merge (pass --lora)")
+    payload = merged_checkpoint(read_adapters(config["lora_adapters"]), merge_lora(model),
+                                model.hparams)
+    out = Path(args.merge_lora)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    torch.save(payload, tmp)
+    tmp.replace(out)  # never half a file under the final name
+    logger.info("--merge-lora: wrote %s (adapters %s merged)", out, config["lora_adapters"])
+    return out
 
 
 def decode_codes(
@@ -692,7 +752,8 @@ def load_for_synthesis(args: argparse.Namespace, device: torch.device):
     """(model, checkpoint config, symbol table path, audio tokenizer) of ``args.checkpoint``, loaded
     and checked as ``run`` does, for callers that keep them across requests (bin/serve.py) and build
     a ``Synthesizer`` per request language. Bad input raises ``InputError``."""
-    model, config = load_model(args.checkpoint, device, args.use_averaged_model, DTYPES[args.dtype])
+    model, config = load_model(args.checkpoint, device, args.use_averaged_model, DTYPES[args.dtype],
+                               lora=getattr(args, "lora", None))
     table = args.text_tokens or config.get("text_tokens")
     if not table:
         raise InputError("the checkpoint names no text_tokens symbol table: pass --text-tokens")
@@ -711,6 +772,10 @@ def load_for_synthesis(args: argparse.Namespace, device: torch.device):
 
 
 def run(args: argparse.Namespace) -> RunResult:
+    if args.merge_lora:
+        write_merged_lora(args)
+        if not (args.text or args.tsv or args.continual):
+            return RunResult()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     items = read_items(args)
     decode_options(args)  # validate before loading anything

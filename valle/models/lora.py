@@ -23,6 +23,7 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -287,3 +288,50 @@ def base_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
 def trainable(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
     """The parameters that train (a frozen LoRA base has none of its own)."""
     return [(n, p) for n, p in named if p.requires_grad]
+
+
+# ------------------------------------------------------------------ adapter files
+def read_adapters(path: str | Path) -> dict[str, Any]:
+    """An adapters file of a LoRA run (a trainer checkpoint with a ``lora`` entry)."""
+    from .convert import load_payload
+
+    payload = load_payload(path)
+    if not isinstance(payload.get("lora"), Mapping):
+        raise LoraError(f"{path}: not LoRA adapters (no 'lora' entry): a full checkpoint")
+    return payload
+
+
+def is_adapters_payload(payload: Mapping[str, Any]) -> bool:
+    return isinstance(payload.get("lora"), Mapping)
+
+
+def attach_adapters(model: nn.Module, payload: Mapping[str, Any], source: str, base_name: str,
+                    use_averaged_model: bool = False) -> None:
+    """Apply an adapters file's LoRA to ``model`` (holding its base weights, in the dtype it
+    was trained in) after checking that the base is the one the adapters were trained on."""
+    entry = payload["lora"]
+    found = base_fingerprint(model.state_dict())
+    if found != entry["base_sha256"]:
+        raise LoraError(
+            f"{source}: trained on base {entry['base']} (sha256 {entry['base_sha256'][:12]}...), "
+            f"but {base_name} has sha256 {found[:12]}...: pass the base they were trained on")
+    apply_lora(model, LoraConfig.from_dict(entry["config"]))
+    key = "model_avg" if use_averaged_model else "model"
+    if payload.get(key) is None:
+        raise LoraError(f"{source}: holds no {key!r} (averaged adapters)")
+    load_lora_state_dict(model, payload[key], source)
+    model.requires_grad_(False)
+
+
+def merged_checkpoint(adapters_payload: Mapping[str, Any], model: nn.Module,
+                      hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """A normal checkpoint of ``model`` with its adapters merged (``merge_lora`` first): the
+    adapters file's payload with the full weights, the base's architecture in its config,
+    and no training state (it starts a new run with --start-from, or synthesises)."""
+    if has_lora(model):
+        raise ValueError("merged_checkpoint: merge_lora(model) first")
+    out = {k: v for k, v in adapters_payload.items() if k != "lora"}
+    out.update(model={k: v.detach().cpu() for k, v in model.state_dict().items()}, model_avg=None,
+               optimizer=None, scheduler=None, scaler=None, sampler=None,
+               config={**dict(adapters_payload.get("config") or {}), **dict(hparams)})
+    return out
