@@ -422,3 +422,30 @@ def test_page_in_headless_chromium(app, served, tmp_path):
                 "en-us", "fr-fr", "auto"]  # fmt: skip
         finally:
             browser.close()
+
+
+@pytest.mark.timeout(300)
+def test_lora_adapters_in_the_exp_dir_are_served_on_their_base(served, tmp_path):
+    """A LoRA run's exp dir holds adapters alone: the page applies them to the base they
+    recorded (bin/infer.py --lora semantics)."""
+    from valle.models.lora import LoraConfig, apply_lora, base_fingerprint, lora_state_dict
+    from valle.train.checkpoint import make_payload
+    from valle.train.finetune import LoraRun
+
+    model = tiny_model("valle", 1, share_embedding=False)
+    with torch.no_grad():
+        model.ar_predict_layer.weight[NUM_AUDIO_TOKENS] = 0.0
+    config = dict(model.hparams, text_tokens=str(served["tmp"] / "unique_text_tokens.k2symbols"))
+    base = tmp_path / "base" / "best-valid-loss.pt"
+    _save_checkpoint(model, config, base)
+    lora = LoraConfig(rank=2)
+    sha = base_fingerprint(model.state_dict())
+    apply_lora(model, lora)
+    exp = tmp_path / "exp-lora"
+    exp.mkdir()
+    torch.save(make_payload(model=lora_state_dict(model), step=2, epoch=1, train_stage=0,
+                            config=config) | {"lora": LoraRun(lora, sha, str(base), None).entry()},
+               exp / "best-valid-loss.pt")
+    app = create_app_from_args(*parse_args(_server_argv(served, **{"--exp-dir": exp})))
+    response = _post(TestClient(app, raise_server_exceptions=False), prompt_name="fox.wav")
+    assert response.status_code == 200, response.text
