@@ -54,6 +54,14 @@ tmp=$(mktemp)
   echo
   python scripts/bench_compile.py 2>/dev/null | grep -v -e 'Gloo' -e 'connected to' -e 'peer ranks'
   echo
+  echo "## LoRA against full fine-tuning: optimizer state, peak memory, checkpoint size"
+  echo
+  echo '```'
+  echo "python scripts/bench_lora.py"
+  echo '```'
+  echo
+  python scripts/bench_lora.py 2>/dev/null | grep -v -e 'CPUAllocator' -e 'gpuGetDeviceCount'
+  echo
   echo "## Tokenization throughput"
   echo
   echo '```'

@@ -55,3 +55,16 @@ def test_bench_host_demo_on_lhotse_data(tmp_path):
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert too_long.returncode != 0
     assert "fewer than the 400 this needs" in too_long.stderr, too_long.stderr[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_bench_lora_prints_lora_against_full_fine_tuning():
+    proc = subprocess.run([sys.executable, "scripts/bench_lora.py", "--sizes", "demo", "--rank", "4",
+                           "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:5] for line in proc.stdout.splitlines()
+            if line.startswith("| ") and "LoRA / full" not in line}
+    assert float(rows["optimizer state"][2]) < 0.1  # adapters alone hold optimizer state
+    assert float(rows["checkpoint model entry"][2]) < 0.1
+    peak = next(v for k, v in rows.items() if k.startswith("peak memory"))
+    assert float(peak[2]) < 1.0
