@@ -1,0 +1,585 @@
+"""Your own corpus -> lhotse manifests (egs/custom/prepare.sh): transcript layouts, speakers,
+languages, an energy VAD that cuts long recordings at their longest silences, the held-out split.
+
+Layouts (``--layout auto`` picks the first whose file is there):
+
+* ``kaldi``: ``wav.scp`` (``utt path``) + ``text`` (``utt words...``), optional ``utt2spk``;
+* ``ljspeech``: ``metadata.csv`` (``id|text`` or ``id|text|normalized``), audio in ``wavs/``;
+* ``sidecar``: every audio file with a ``.txt`` or ``.lab`` of the same name beside it.
+
+An audio file no transcript names is kept for Whisper (stage 1, egs/custom/local/transcribe.py)
+and reported as ``no_transcript`` until it is transcribed. Speakers: ``utt2spk``, else the first
+folder under the corpus (a top ``wavs``/``wav``/``audio`` folder skipped), else the corpus
+folder's name. Languages: ``--language``, per speaker from ``--speaker-languages`` (default: the
+corpus's ``spk2lang`` or ``speakers.tsv``). Every bad file is one line of the bad-items report.
+
+CLI: python -m valle.data.custom {manifests,split} ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from valle.data import validation as V
+
+logger = logging.getLogger(__name__)
+
+AUDIO_SUFFIXES = (".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".sph")
+TRANSCRIPT_SUFFIXES = (".txt", ".lab")
+AUDIO_FOLDERS = {"wavs", "wav", "audio"}  # a corpus's audio folder is not a speaker
+SPEAKER_LANGUAGE_FILES = ("spk2lang", "speakers.tsv")
+LAYOUTS = ("auto", "kaldi", "ljspeech", "sidecar")
+# Reasons of this stage (the tokenizer's are in valle/data/validation.py).
+NO_TRANSCRIPT = "no_transcript"
+SILENT_AUDIO = "silent_audio"
+VAD_RATE = 16_000  # the VAD reads audio at this rate: energy needs no more
+
+
+class CorpusError(ValueError):
+    """The corpus as a whole cannot be read (no layout, a bad flag or file): one line naming it."""
+
+
+@dataclass
+class SourceItem:
+    """One audio file of the corpus and what its layout says about it."""
+
+    utt_id: str
+    audio: Path
+    speaker: str
+    text: str | None = None  # None: no transcript (Whisper may give one)
+    normalized: str | None = None  # LJSpeech's third column: the text as spoken
+
+
+@dataclass
+class Segment:
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class VadConfig:
+    """Energy VAD: a frame is speech when it is within ``range_db`` of the loud frames (their
+    99th percentile) and above ``floor_db`` (dBFS); silences shorter than ``min_silence_s``
+    are pauses inside speech, not places to cut."""
+
+    frame_s: float = 0.025
+    hop_s: float = 0.010
+    range_db: float = 35.0
+    floor_db: float = -55.0
+    min_silence_s: float = 0.25
+    margin_s: float = 0.10  # silence kept at each side of a cut
+
+
+@dataclass
+class PrepareConfig:
+    corpus_dir: Path
+    output_dir: Path
+    prefix: str = "custom"
+    layout: str = "auto"
+    language: str = "en-us"
+    speaker_languages: Path | None = None
+    max_segment_duration: float = 14.0
+    min_duration: float = 0.5
+    vad: VadConfig = field(default_factory=VadConfig)
+
+
+# ----------------------------------------------------------------------------- layouts
+def list_audio(corpus_dir: Path) -> list[Path]:
+    return sorted(p for p in corpus_dir.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES and p.is_file())
+
+
+def relative_parts(corpus_dir: Path, audio: Path) -> list[str]:
+    """The file's folders under the corpus, a top audio folder (``wavs/``) left out."""
+    try:
+        parts = list(audio.relative_to(corpus_dir).parent.parts)
+    except ValueError:  # a wav.scp path outside the corpus: only its own folder says anything
+        parts = [audio.parent.name]
+    return parts[1:] if parts and parts[0].lower() in AUDIO_FOLDERS else parts
+
+
+def speaker_from_path(corpus_dir: Path, audio: Path) -> str:
+    parts = relative_parts(corpus_dir, audio)
+    return parts[0] if parts else corpus_dir.resolve().name
+
+
+def utt_id_from_path(corpus_dir: Path, audio: Path) -> str:
+    return "_".join([*relative_parts(corpus_dir, audio), audio.stem])
+
+
+def read_text_file(path: Path) -> str:
+    return " ".join(path.read_text(encoding="utf-8", errors="replace").split())
+
+
+def detect_layout(corpus_dir: Path) -> str:
+    if (corpus_dir / "wav.scp").is_file():
+        return "kaldi"
+    if (corpus_dir / "metadata.csv").is_file():
+        return "ljspeech"
+    return "sidecar"
+
+
+def read_sidecar(corpus_dir: Path, report: V.ValidationReport) -> list[SourceItem]:
+    """Every audio file; its transcript is the ``.txt``/``.lab`` of the same name, if any."""
+    items = []
+    for audio in list_audio(corpus_dir):
+        item = SourceItem(utt_id_from_path(corpus_dir, audio), audio, speaker_from_path(corpus_dir, audio))
+        for suffix in TRANSCRIPT_SUFFIXES:
+            if audio.with_suffix(suffix).is_file():
+                item.text = read_text_file(audio.with_suffix(suffix))
+                break
+        items.append(item)
+    return items
+
+
+def read_ljspeech(corpus_dir: Path, report: V.ValidationReport) -> list[SourceItem]:
+    """``metadata.csv`` rows; audio files it does not name are kept without a transcript."""
+    by_id = {utt_id_from_path(corpus_dir, a): a for a in list_audio(corpus_dir)}
+    items, listed = [], set()
+    lines = (corpus_dir / "metadata.csv").read_text(encoding="utf-8").splitlines()
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        fields = line.split("|")
+        utt_id = fields[0].strip()
+        if len(fields) < 2:
+            report.add(utt_id or f"metadata.csv:{lineno}", V.BAD_MANIFEST_ITEM,
+                       f"metadata.csv:{lineno}: expected id|text or id|text|normalized")
+            continue
+        audio = by_id.get(utt_id)
+        if audio is None:
+            report.add(utt_id, V.NO_RECORDING, f"metadata.csv:{lineno}: no audio file {utt_id}.* "
+                                               f"in {corpus_dir} or its wavs/")
+            continue
+        listed.add(utt_id)
+        normalized = fields[2].strip() if len(fields) > 2 and fields[2].strip() else None
+        items.append(SourceItem(utt_id, audio, speaker_from_path(corpus_dir, audio), fields[1].strip(),
+                                normalized))
+    items += [SourceItem(u, a, speaker_from_path(corpus_dir, a)) for u, a in by_id.items() if u not in listed]
+    return items
+
+
+def read_kaldi_table(path: Path) -> dict[str, str]:
+    """``key rest-of-line`` per line (Kaldi's text tables); the first of repeated keys kept."""
+    table: dict[str, str] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        key, _, value = line.strip().partition(" ")
+        if key:
+            table.setdefault(key, value.strip())
+    return table
+
+
+def read_kaldi(corpus_dir: Path, report: V.ValidationReport) -> list[SourceItem]:
+    """``wav.scp`` + ``text`` (+ ``utt2spk``); paths relative to the corpus folder."""
+    wavs = read_kaldi_table(corpus_dir / "wav.scp")
+    texts = read_kaldi_table(corpus_dir / "text") if (corpus_dir / "text").is_file() else {}
+    spk = read_kaldi_table(corpus_dir / "utt2spk") if (corpus_dir / "utt2spk").is_file() else {}
+    items = []
+    for utt_id, where in wavs.items():
+        if where.endswith("|"):
+            report.add(utt_id, V.UNREADABLE_AUDIO, "wav.scp: piped commands are not run; "
+                                                   "write the audio to a file and list its path")
+            continue
+        audio = Path(where) if Path(where).is_absolute() else corpus_dir / where
+        speaker = spk.get(utt_id) or speaker_from_path(corpus_dir, audio)
+        items.append(SourceItem(utt_id, audio, speaker, texts.get(utt_id)))
+    for utt_id in texts.keys() - wavs.keys():
+        report.add(utt_id, V.NO_RECORDING, "in text but not in wav.scp")
+    return items
+
+
+READERS: dict[str, Callable[[Path, V.ValidationReport], list[SourceItem]]] = {
+    "kaldi": read_kaldi, "ljspeech": read_ljspeech, "sidecar": read_sidecar}
+
+
+def read_corpus(corpus_dir: Path, layout: str, report: V.ValidationReport) -> tuple[str, list[SourceItem]]:
+    """(the layout read, its items); repeated utterance ids are reported, the first kept."""
+    if not corpus_dir.is_dir():
+        raise CorpusError(f"--corpus-dir {corpus_dir}: no such folder")
+    if layout not in LAYOUTS:
+        raise CorpusError(f"--layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+    layout = detect_layout(corpus_dir) if layout == "auto" else layout
+    items, seen = [], set()
+    for item in READERS[layout](corpus_dir, report):
+        if item.utt_id in seen:
+            report.add(item.utt_id, V.DUPLICATE_ID, f"{item.audio}: another file has this id (the first is kept)")
+            continue
+        seen.add(item.utt_id)
+        items.append(item)
+    return layout, items
+
+
+# ----------------------------------------------------------------------------- languages
+def find_speaker_languages(corpus_dir: Path, path: Path | None) -> Path | None:
+    if path is not None:
+        if not path.is_file():
+            raise CorpusError(f"--speaker-languages {path}: no such file")
+        return path
+    found = [corpus_dir / name for name in SPEAKER_LANGUAGE_FILES if (corpus_dir / name).is_file()]
+    return found[0] if found else None
+
+
+def read_speaker_languages(path: Path | None) -> dict[str, str]:
+    """``speaker language`` per line (tab or spaces; ``#`` comments; a ``speaker`` header
+    skipped); every language must name an espeak voice (the line is named if not)."""
+    from valle.data.languages import UnknownLanguageError, espeak_voice
+
+    if path is None:
+        return {}
+    languages = {}
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        fields = line.split("#")[0].split()
+        if not fields or (lineno == 1 and fields[0].lower() == "speaker"):
+            continue
+        if len(fields) < 2:
+            raise CorpusError(f"{path}:{lineno}: expected 'speaker language'")
+        try:
+            espeak_voice(fields[1])
+        except UnknownLanguageError as e:
+            raise CorpusError(f"{path}:{lineno}: speaker {fields[0]}: {e}") from None
+        languages[fields[0]] = fields[1]
+    return languages
+
+
+# ----------------------------------------------------------------------------- VAD, segmentation
+def frame_levels_db(samples: np.ndarray, sample_rate: int, vad: VadConfig) -> np.ndarray:
+    """RMS level (dBFS) of each hop-spaced frame."""
+    frame, hop = max(1, round(vad.frame_s * sample_rate)), max(1, round(vad.hop_s * sample_rate))
+    if samples.size < frame:
+        samples = np.pad(samples, (0, frame - samples.size))
+    count = 1 + (samples.size - frame) // hop
+    windows = np.lib.stride_tricks.as_strided(
+        samples, shape=(count, frame), strides=(samples.strides[0] * hop, samples.strides[0]), writeable=False)
+    power = np.mean(np.square(windows, dtype=np.float64), axis=1)
+    return 10.0 * np.log10(power + 1e-12)
+
+
+def speech_frames(levels_db: np.ndarray, vad: VadConfig) -> np.ndarray:
+    loud = np.percentile(levels_db, 99)
+    return levels_db > max(loud - vad.range_db, vad.floor_db)
+
+
+def runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) index runs where ``mask`` is true."""
+    edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
+
+
+def speech_and_silences(samples: np.ndarray, sample_rate: int,
+                        vad: VadConfig) -> tuple[Segment | None, list[Segment]]:
+    """The span from the first to the last speech frame (None: no speech at all) and the
+    silences inside it that are long enough to cut at, in seconds."""
+    speech = speech_frames(frame_levels_db(samples, sample_rate, vad), vad)
+    if not speech.any():
+        return None, []
+    first, last = int(np.argmax(speech)), len(speech) - 1 - int(np.argmax(speech[::-1]))
+    span = Segment(first * vad.hop_s, min(samples.size / sample_rate, last * vad.hop_s + vad.frame_s))
+    min_frames = math.ceil(vad.min_silence_s / vad.hop_s)
+    silences = [Segment(s * vad.hop_s + vad.frame_s, e * vad.hop_s)
+                for s, e in runs(~speech[first:last + 1]) if e - s >= min_frames]
+    return span, [Segment(s.start + span.start, s.end + span.start) for s in silences if s.end > s.start]
+
+
+def split_at_silences(piece: Segment, silences: Sequence[Segment], max_duration: float,
+                      margin: float) -> list[Segment]:
+    """Cut ``piece`` at its longest silence, recursively, until no part is longer than
+    ``max_duration``; a part with no silence left to cut at stays longer (the caller reports it)."""
+    if piece.duration <= max_duration:
+        return [piece]
+    inside = [s for s in silences if s.start > piece.start and s.end < piece.end]
+    if not inside:
+        return [piece]
+    cut = max(inside, key=lambda s: (s.duration, -s.start))
+    keep = min(margin, cut.duration / 2)
+    left = Segment(piece.start, cut.start + keep)
+    right = Segment(cut.end - keep, piece.end)
+    return (split_at_silences(left, silences, max_duration, margin)
+            + split_at_silences(right, silences, max_duration, margin))
+
+
+def load_for_vad(audio: Path) -> tuple[object, np.ndarray]:
+    """The lhotse Recording of a file and its first channel at ``VAD_RATE`` (what is tokenized:
+    cuts read channel 0 of a stereo file)."""
+    from lhotse import Recording
+
+    recording = Recording.from_file(audio)
+    samples = recording.resample(VAD_RATE).load_audio(channels=0)
+    return recording, np.asarray(samples, dtype=np.float32).reshape(-1)
+
+
+# ----------------------------------------------------------------------------- one file
+@dataclass
+class PreparedItem:
+    """What one source file becomes: its recording and one supervision per segment (text
+    None: waiting for a transcript)."""
+
+    recording: object
+    supervisions: list = field(default_factory=list)
+
+
+def segments_of(item: SourceItem, duration: float, samples: np.ndarray, cfg: PrepareConfig,
+                report: V.ValidationReport) -> list[Segment]:
+    """The utterances of one file: the whole file when short enough, else (only without a
+    transcript) its pieces cut at silences. Each problem is reported by the item's id."""
+    span, silences = speech_and_silences(samples, VAD_RATE, cfg.vad)
+    if span is None:
+        report.add(item.utt_id, SILENT_AUDIO, f"{item.audio}: no frame above {cfg.vad.floor_db:g} dBFS")
+        return []
+    if duration <= cfg.max_segment_duration:
+        return [Segment(0.0, duration)]
+    if item.text is not None:
+        report.add(item.utt_id, V.TOO_LONG, (
+            f"{item.audio}: {duration:.1f}s with one transcript > --max-segment-duration "
+            f"{cfg.max_segment_duration:g}: it cannot be cut without an alignment; split the file, "
+            "or remove its transcript so Whisper transcribes each piece"))
+        return []
+    whole = Segment(max(0.0, span.start - cfg.vad.margin_s), min(duration, span.end + cfg.vad.margin_s))
+    pieces = []
+    for k, piece in enumerate(split_at_silences(whole, silences, cfg.max_segment_duration, cfg.vad.margin_s)):
+        if piece.duration > cfg.max_segment_duration:
+            report.add(f"{item.utt_id}-{k:03d}", V.TOO_LONG, (
+                f"{item.audio} {piece.start:.2f}-{piece.end:.2f}s: no silence of {cfg.vad.min_silence_s:g}s "
+                f"to cut at, {piece.duration:.1f}s > --max-segment-duration {cfg.max_segment_duration:g}"))
+        elif piece.duration < cfg.min_duration:
+            report.add(f"{item.utt_id}-{k:03d}", V.TOO_SHORT, (
+                f"{item.audio} {piece.start:.2f}-{piece.end:.2f}s: {piece.duration:.2f}s < "
+                f"--min-duration {cfg.min_duration:g}"))
+        else:
+            pieces.append(piece)
+    return pieces
+
+
+def prepare_item(item: SourceItem, language: str, cfg: PrepareConfig,
+                 report: V.ValidationReport) -> PreparedItem | None:
+    """Read, check and segment one file; None (reported) when nothing of it is usable."""
+    from lhotse import SupervisionSegment
+    from lhotse.utils import fastcopy
+
+    try:
+        recording, samples = load_for_vad(item.audio)
+    except Exception as e:  # lhotse, soundfile and audioread raise many types on bad files
+        report.add(item.utt_id, V.UNREADABLE_AUDIO, f"{item.audio}: {type(e).__name__}: {e}"[:300])
+        return None
+    recording = fastcopy(recording, id=item.utt_id)
+    if recording.duration < cfg.min_duration:
+        report.add(item.utt_id, V.TOO_SHORT, f"{item.audio}: {recording.duration:.2f}s < --min-duration "
+                                             f"{cfg.min_duration:g}")
+        return None
+    if item.text is not None and not item.text.strip():
+        report.add(item.utt_id, V.EMPTY_TEXT, f"{item.audio}: its transcript is empty")
+        return None
+    pieces = segments_of(item, recording.duration, samples, cfg, report)
+    whole = len(pieces) == 1 and pieces[0].duration == recording.duration
+    custom = {"normalized_text": item.normalized} if item.normalized else None
+    sups = [SupervisionSegment(id=item.utt_id if whole else f"{item.utt_id}-{k:03d}", recording_id=item.utt_id,
+                               start=round(p.start, 3), duration=round(p.duration, 3), channel=0,
+                               text=item.text, speaker=item.speaker, language=language, custom=custom)
+            for k, p in enumerate(pieces)]
+    return PreparedItem(recording, sups) if sups else None
+
+
+# ----------------------------------------------------------------------------- the corpus
+def manifest_paths(output_dir: Path, prefix: str) -> dict[str, Path]:
+    return {"recordings": output_dir / f"{prefix}_recordings_all.jsonl.gz",
+            "supervisions": output_dir / f"{prefix}_supervisions_all.jsonl.gz",
+            "pending": output_dir / f"{prefix}_untranscribed_all.jsonl.gz",
+            "report": output_dir / f"{prefix}_bad_items.tsv"}
+
+
+def write_jsonl(path: Path, items: Sequence[dict]) -> None:
+    """A ``.jsonl.gz`` written under a temporary name, then renamed into place."""
+    import gzip
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(".tmp." + path.name)
+    with gzip.open(tmp, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(d, ensure_ascii=False) + "\n" for d in items)
+    os.replace(tmp, path)
+
+
+def report_untranscribed(pending: Sequence[dict], report: V.ValidationReport, why: str) -> None:
+    for entry in pending:
+        sup = entry["supervision"]
+        where = f"{entry['recording']['sources'][0]['source']} {sup['start']:.2f}-{sup['start'] + sup['duration']:.2f}s"
+        report.add(sup["id"], NO_TRANSCRIPT, f"{where}: {why}")
+
+
+def prepare_corpus(cfg: PrepareConfig) -> V.ValidationReport:
+    """The corpus -> recordings + supervisions of transcribed utterances, the untranscribed
+    ones (for Whisper), and the bad-items report; returns the report."""
+    from tqdm import tqdm
+
+    report = V.ValidationReport()
+    layout, items = read_corpus(cfg.corpus_dir, cfg.layout, report)
+    if not items:
+        raise CorpusError(f"--corpus-dir {cfg.corpus_dir}: no audio files found ({layout} layout; "
+                          f"audio is {', '.join(AUDIO_SUFFIXES)})")
+    languages = read_speaker_languages(find_speaker_languages(cfg.corpus_dir, cfg.speaker_languages))
+    recordings, supervisions, pending = [], [], []
+    for item in tqdm(items, desc=f"read {layout} corpus", unit="file"):
+        report.checked += 1
+        prepared = prepare_item(item, languages.get(item.speaker, cfg.language), cfg, report)
+        if prepared is None:
+            continue
+        rec = prepared.recording.to_dict()
+        done = [s.to_dict() for s in prepared.supervisions if s.text is not None]
+        pending += [{"recording": rec, "supervision": s.to_dict()} for s in prepared.supervisions if s.text is None]
+        if done:
+            recordings.append(rec)
+            supervisions += done
+    report_untranscribed(pending, report, "no transcript; stage 1 transcribes it where Whisper weights are present")
+    paths = manifest_paths(cfg.output_dir, cfg.prefix)
+    write_jsonl(paths["recordings"], recordings)
+    write_jsonl(paths["supervisions"], supervisions)
+    write_jsonl(paths["pending"], pending)
+    report.write(paths["report"])
+    logger.info("%s layout: %d files -> %d utterances with a transcript, %d without; %s",
+                layout, len(items), len(supervisions), len(pending), report.summary())
+    return report
+
+
+# ----------------------------------------------------------------------------- transcription
+def transcribe_pending(manifest_dir: Path, prefix: str, transcribe: Callable[[np.ndarray, int, str], str | None],
+                       ) -> tuple[int, V.ValidationReport]:
+    """Give the untranscribed utterances the text ``transcribe(samples, rate, language)``
+    returns (None: it cannot, the item stays reported). Transcribed ones join the manifests
+    and leave the report. Returns (how many were transcribed, the report)."""
+    from lhotse import Recording
+    from tqdm import tqdm
+
+    from valle.data.manifests import read_jsonl
+
+    paths = manifest_paths(manifest_dir, prefix)
+    pending = list(read_jsonl(paths["pending"]))
+    report = V.ValidationReport.read(paths["report"])
+    waiting = {e["supervision"]["id"] for e in pending}
+    kept = V.ValidationReport([e for e in report.entries if e.cut_id not in waiting], report.checked)
+    recordings = {d["id"]: d for d in read_jsonl(paths["recordings"])}
+    supervisions = list(read_jsonl(paths["supervisions"]))
+    still = []
+    for entry in tqdm(pending, desc="transcribe", unit="utt"):
+        sup = entry["supervision"]
+        samples = Recording.from_dict(entry["recording"]).load_audio(
+            channels=0, offset=sup["start"], duration=sup["duration"]).reshape(-1)
+        text = transcribe(samples, entry["recording"]["sampling_rate"], sup.get("language") or "")
+        if text is None:
+            still.append(entry)
+        elif not text.strip():
+            kept.add(sup["id"], V.EMPTY_TEXT, "Whisper heard no words")
+        else:
+            supervisions.append(dict(sup, text=text.strip(), custom={**(sup.get("custom") or {}), "transcribed_by": "whisper"}))
+            recordings.setdefault(entry["recording"]["id"], entry["recording"])
+    report_untranscribed(still, kept, "no transcript; Whisper here transcribes English only")
+    write_jsonl(paths["recordings"], list(recordings.values()))
+    write_jsonl(paths["supervisions"], supervisions)
+    write_jsonl(paths["pending"], still)
+    kept.write(paths["report"])
+    return len(pending) - len(still), kept
+
+
+# ----------------------------------------------------------------------------- held-out split
+def held_out_counts(sizes: dict[str, int], fraction: float, min_valid: int) -> dict[str, int]:
+    """Utterances held out per speaker: ``fraction`` of each, rounded down, never a speaker's
+    last one (every speaker stays in train); topped up to ``min_valid`` one at a time, to the
+    speaker with fewest held out (then most utterances left), so the top-up spreads over speakers."""
+    counts = {spk: min(n - 1, math.floor(fraction * n)) for spk, n in sizes.items()}
+    while sum(counts.values()) < min_valid:
+        spare = [spk for spk in sorted(sizes, key=lambda s: (counts[s], counts[s] - sizes[s], s))
+                 if sizes[spk] - counts[spk] > 1]
+        if not spare:
+            break
+        counts[spare[0]] += 1
+    return counts
+
+
+def split_held_out(cuts_path: Path, output_dir: Path, prefix: str, fraction: float = 0.05,
+                   min_valid: int = 1, seed: int = 0) -> dict[str, int]:
+    """Tokenized cuts -> ``{prefix}_cuts_train`` and ``{prefix}_cuts_dev``, by utterance, the
+    same on every run: each speaker's utterances ordered by a hash of (seed, id), the first
+    ones held out."""
+    from valle.data.manifests import read_jsonl
+
+    def key(cut_id: str) -> str:
+        return hashlib.sha1(f"{seed}:{cut_id}".encode()).hexdigest()
+
+    by_speaker: dict[str, list[str]] = {}
+    for cut in read_jsonl(cuts_path):
+        by_speaker.setdefault(cut["supervisions"][0].get("speaker") or "", []).append(cut["id"])
+    counts = held_out_counts({s: len(ids) for s, ids in by_speaker.items()}, fraction, min_valid)
+    dev = {i for spk, ids in by_speaker.items() for i in sorted(ids, key=key)[:counts[spk]]}
+    if not dev:
+        raise CorpusError(f"{cuts_path}: no speaker has 2 utterances, so none can be held out "
+                          "with its speaker kept in train")
+    parts: dict[str, list[dict]] = {"train": [], "dev": []}
+    for cut in read_jsonl(cuts_path):
+        parts["dev" if cut["id"] in dev else "train"].append(cut)
+    for name, cuts in parts.items():
+        write_jsonl(output_dir / f"{prefix}_cuts_{name}.jsonl.gz", cuts)
+    return {name: len(cuts) for name, cuts in parts.items()}
+
+
+# ----------------------------------------------------------------------------- CLI
+def get_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m valle.data.custom", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("manifests", help="corpus folder -> lhotse recordings/supervisions + bad-items report")
+    m.add_argument("--corpus-dir", type=Path, required=True)
+    m.add_argument("--output-dir", type=Path, required=True)
+    m.add_argument("--prefix", default="custom")
+    m.add_argument("--layout", default="auto", choices=LAYOUTS)
+    m.add_argument("--language", default="en-us", help="language of speakers --speaker-languages does not name")
+    m.add_argument("--speaker-languages", type=Path, default=None,
+                   help="'speaker language' per line (default: the corpus's spk2lang or speakers.tsv)")
+    m.add_argument("--max-segment-duration", type=float, default=14.0,
+                   help="longer untranscribed recordings are cut at silences into pieces at most this long")
+    m.add_argument("--min-duration", type=float, default=0.5, help="shorter files and pieces are reported")
+    s = sub.add_parser("split", help="tokenized cuts -> train + dev (held out by utterance)")
+    s.add_argument("--cuts", type=Path, required=True)
+    s.add_argument("--output-dir", type=Path, required=True)
+    s.add_argument("--prefix", default="custom")
+    s.add_argument("--valid-fraction", type=float, default=0.05)
+    s.add_argument("--min-valid", type=int, default=1, help="hold out at least this many utterances")
+    s.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import sys
+
+    from valle.data.manifests import ManifestError
+
+    args = get_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.cmd == "manifests":
+            cfg = PrepareConfig(args.corpus_dir, args.output_dir, args.prefix, args.layout, args.language,
+                                args.speaker_languages, args.max_segment_duration, args.min_duration)
+            report = prepare_corpus(cfg)
+            for e in report.entries:
+                print(f"left out {e.cut_id}: {e.reason} ({e.detail})")
+            print(f"manifests: {report.summary()}; bad items in {manifest_paths(cfg.output_dir, cfg.prefix)['report']}")
+        else:
+            counts = split_held_out(args.cuts, args.output_dir, args.prefix, args.valid_fraction,
+                                    args.min_valid, args.seed)
+            print(f"split: {counts} -> {args.output_dir}")
+    except (CorpusError, ManifestError) as e:
+        print(f"python -m valle.data.custom: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
