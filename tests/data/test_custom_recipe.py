@@ -268,3 +268,29 @@ def test_a_bad_language_or_corpus_is_one_error_line_naming_it(tmp_path):
     assert rc == 2 and "speakers.tsv:2: speaker c" in log and "Traceback" not in log
     rc, log = manifests(tmp_path / "missing", tmp_path / "out")
     assert rc == 2 and "no such folder" in log
+
+
+def test_kaldi_segments_give_a_long_recording_one_transcript_per_segment(tmp_path):
+    corpus = tmp_path / "kaldi"
+    corpus.mkdir()
+    x, sr, gaps = long_recording(0)
+    sf.write(corpus / "talk.wav", x, sr)
+    bounds = [0.0, *[g for gap in gaps for g in gap], x.size / sr]  # sentence i: bounds[2i]..bounds[2i+1]
+    sentences = [(bounds[2 * i], bounds[2 * i + 1]) for i in range(len(bounds) // 2)]
+    (corpus / "wav.scp").write_text("talk talk.wav\n")
+    lines = [f"talk-{i} talk {a:.2f} {b:.2f}" for i, (a, b) in enumerate(sentences)]
+    lines.append(f"talk-both talk {sentences[0][0]:.2f} {sentences[3][1]:.2f}")  # over --max-segment-duration
+    lines.append(f"talk-past talk {x.size / sr - 0.5:.2f} {x.size / sr + 3:.2f}")  # outside the recording
+    (corpus / "segments").write_text("\n".join(lines) + "\n")
+    texts = [f"talk-{i} {SENTENCES[i]}" for i in range(len(sentences) - 1)]  # the last has no text
+    (corpus / "text").write_text("\n".join([*texts, f"talk-both {SENTENCES[0]}", "talk-past Late."]) + "\n")
+    (corpus / "utt2spk").write_text("".join(f"talk-{i} carol\n" for i in range(len(sentences))))
+    rc, log = manifests(corpus, tmp_path / "out")
+    assert rc == 0, log
+    sups = {s["id"]: s for s in read_gz(tmp_path / "out" / "custom_supervisions_all.jsonl.gz")}
+    last = len(sentences) - 1
+    assert set(sups) == {f"talk-{i}" for i in range(last)}
+    assert all(s["recording_id"] == "talk" and s["speaker"] == "carol" for s in sups.values())
+    assert sups["talk-1"]["text"] == SENTENCES[1] and sups["talk-1"]["start"] == pytest.approx(sentences[1][0], abs=0.01)
+    report = {e.cut_id: e.reason for e in ValidationReport.read(tmp_path / "out" / "custom_bad_items.tsv").entries}
+    assert report == {"talk-both": "too_long", "talk-past": "segment_outside_recording", f"talk-{last}": C.NO_TRANSCRIPT}

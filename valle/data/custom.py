@@ -3,7 +3,9 @@ languages, an energy VAD that cuts long recordings at their longest silences, th
 
 Layouts (``--layout auto`` picks the first whose file is there):
 
-* ``kaldi``: ``wav.scp`` (``utt path``) + ``text`` (``utt words...``), optional ``utt2spk``;
+* ``kaldi``: ``wav.scp`` (``utt path``) + ``text`` (``utt words...``), optional ``utt2spk``; with
+  a ``segments`` file (``utt recording start end``) ``wav.scp`` lists recordings and each
+  segment is an utterance with its own transcript (how a long recording is transcribed);
 * ``ljspeech``: ``metadata.csv`` (``id|text`` or ``id|text|normalized``), audio in ``wavs/``;
 * ``sidecar``: every audio file with a ``.txt`` or ``.lab`` of the same name beside it.
 
@@ -30,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from valle.data import validation as V
+from valle.data.manifests import END_TOLERANCE_S
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +52,26 @@ class CorpusError(ValueError):
 
 
 @dataclass
+class SpanUtterance:
+    """A span of a recording with its own transcript (a line of Kaldi's ``segments``)."""
+
+    utt_id: str
+    start: float
+    end: float
+    speaker: str
+    text: str | None  # None: no line in ``text``
+
+
+@dataclass
 class SourceItem:
     """One audio file of the corpus and what its layout says about it."""
 
-    utt_id: str
+    utt_id: str  # the recording id too
     audio: Path
     speaker: str
     text: str | None = None  # None: no transcript (Whisper may give one)
     normalized: str | None = None  # LJSpeech's third column: the text as spoken
+    spans: list[SpanUtterance] | None = None  # Kaldi segments: the utterances, each transcribed
 
 
 @dataclass
@@ -181,22 +196,50 @@ def read_kaldi_table(path: Path) -> dict[str, str]:
     return table
 
 
+def read_kaldi_spans(corpus_dir: Path, texts: dict[str, str], spk: dict[str, str],
+                     report: V.ValidationReport) -> dict[str, list[SpanUtterance]]:
+    """Kaldi's ``segments`` (``utt recording start end``): recording id -> its utterances."""
+    spans: dict[str, list[SpanUtterance]] = {}
+    for lineno, line in enumerate((corpus_dir / "segments").read_text(encoding="utf-8").splitlines(), 1):
+        fields = line.split()
+        if not fields:
+            continue
+        try:
+            utt_id, rec_id, start, end = fields[0], fields[1], float(fields[2]), float(fields[3])
+        except (IndexError, ValueError):
+            report.add(fields[0], V.BAD_MANIFEST_ITEM, f"segments:{lineno}: expected 'utt recording start end'")
+            continue
+        spans.setdefault(rec_id, []).append(SpanUtterance(utt_id, start, end, spk.get(utt_id, ""), texts.get(utt_id)))
+    return spans
+
+
 def read_kaldi(corpus_dir: Path, report: V.ValidationReport) -> list[SourceItem]:
-    """``wav.scp`` + ``text`` (+ ``utt2spk``); paths relative to the corpus folder."""
+    """``wav.scp`` + ``text`` (+ ``utt2spk``, ``segments``); paths relative to the corpus folder."""
     wavs = read_kaldi_table(corpus_dir / "wav.scp")
     texts = read_kaldi_table(corpus_dir / "text") if (corpus_dir / "text").is_file() else {}
     spk = read_kaldi_table(corpus_dir / "utt2spk") if (corpus_dir / "utt2spk").is_file() else {}
+    spans = read_kaldi_spans(corpus_dir, texts, spk, report) if (corpus_dir / "segments").is_file() else None
     items = []
-    for utt_id, where in wavs.items():
+    for rec_id, where in wavs.items():
         if where.endswith("|"):
-            report.add(utt_id, V.UNREADABLE_AUDIO, "wav.scp: piped commands are not run; "
+            report.add(rec_id, V.UNREADABLE_AUDIO, "wav.scp: piped commands are not run; "
                                                    "write the audio to a file and list its path")
             continue
         audio = Path(where) if Path(where).is_absolute() else corpus_dir / where
-        speaker = spk.get(utt_id) or speaker_from_path(corpus_dir, audio)
-        items.append(SourceItem(utt_id, audio, speaker, texts.get(utt_id)))
-    for utt_id in texts.keys() - wavs.keys():
-        report.add(utt_id, V.NO_RECORDING, "in text but not in wav.scp")
+        item = SourceItem(rec_id, audio, spk.get(rec_id) or speaker_from_path(corpus_dir, audio))
+        if spans is None:
+            item.text = texts.get(rec_id)
+        else:
+            item.spans = spans.get(rec_id, [])
+            for span in item.spans:
+                span.speaker = span.speaker or item.speaker
+        items.append(item)
+    utterances = texts.keys() if spans is None else {s.utt_id for ss in spans.values() for s in ss}
+    for utt_id in sorted(set(texts) - (wavs.keys() if spans is None else utterances)):
+        report.add(utt_id, V.NO_RECORDING, "in text but not in " + ("wav.scp" if spans is None else "segments"))
+    for rec_id in sorted(set(spans or {}) - wavs.keys()):
+        for span in spans[rec_id]:
+            report.add(span.utt_id, V.NO_RECORDING, f"segments: recording {rec_id} is not in wav.scp")
     return items
 
 
@@ -361,9 +404,45 @@ def segments_of(item: SourceItem, duration: float, samples: np.ndarray, cfg: Pre
     return pieces
 
 
-def prepare_item(item: SourceItem, language: str, cfg: PrepareConfig,
+def checked_spans(item: SourceItem, duration: float, cfg: PrepareConfig,
+                  report: V.ValidationReport) -> list[tuple[str, Segment, str, str | None]]:
+    """Kaldi segments of one recording that are usable as they are: (id, span, speaker, text)."""
+    out = []
+    for span in item.spans or []:
+        where = f"{item.audio} {span.start:.2f}-{span.end:.2f}s"
+        piece = Segment(span.start, min(span.end, duration))
+        if span.start < 0 or span.end <= span.start or span.end > duration + END_TOLERANCE_S:
+            report.add(span.utt_id, V.BAD_SEGMENT, f"{where}: outside the recording ({duration:.2f}s)")
+        elif piece.duration > cfg.max_segment_duration:
+            report.add(span.utt_id, V.TOO_LONG, f"{where}: {piece.duration:.1f}s > --max-segment-duration "
+                                                f"{cfg.max_segment_duration:g}")
+        elif piece.duration < cfg.min_duration:
+            report.add(span.utt_id, V.TOO_SHORT, f"{where}: {piece.duration:.2f}s < --min-duration {cfg.min_duration:g}")
+        elif span.text is not None and not span.text.strip():
+            report.add(span.utt_id, V.EMPTY_TEXT, f"{where}: its transcript is empty")
+        else:
+            out.append((span.utt_id, piece, span.speaker, span.text))
+    return out
+
+
+def utterances_of(item: SourceItem, recording, samples: np.ndarray, cfg: PrepareConfig,
+                  report: V.ValidationReport) -> list[tuple[str, Segment, str, str | None]]:
+    """(id, span, speaker, text) of each utterance one file holds."""
+    if item.spans is not None:
+        if speech_and_silences(samples, VAD_RATE, cfg.vad)[0] is None:
+            report.add(item.utt_id, SILENT_AUDIO, f"{item.audio}: no frame above {cfg.vad.floor_db:g} dBFS")
+            return []
+        return checked_spans(item, recording.duration, cfg, report)
+    pieces = segments_of(item, recording.duration, samples, cfg, report)
+    if len(pieces) == 1 and pieces[0].duration == recording.duration:  # the whole file
+        return [(item.utt_id, pieces[0], item.speaker, item.text)]
+    return [(f"{item.utt_id}-{k:03d}", p, item.speaker, item.text) for k, p in enumerate(pieces)]
+
+
+def prepare_item(item: SourceItem, language_of: Callable[[str], str], cfg: PrepareConfig,
                  report: V.ValidationReport) -> PreparedItem | None:
-    """Read, check and segment one file; None (reported) when nothing of it is usable."""
+    """Read, check and segment one file; None (reported) when nothing of it is usable.
+    ``language_of(speaker)`` is the language of a speaker's utterances."""
     from lhotse import SupervisionSegment
     from lhotse.utils import fastcopy
 
@@ -380,13 +459,11 @@ def prepare_item(item: SourceItem, language: str, cfg: PrepareConfig,
     if item.text is not None and not item.text.strip():
         report.add(item.utt_id, V.EMPTY_TEXT, f"{item.audio}: its transcript is empty")
         return None
-    pieces = segments_of(item, recording.duration, samples, cfg, report)
-    whole = len(pieces) == 1 and pieces[0].duration == recording.duration
     custom = {"normalized_text": item.normalized} if item.normalized else None
-    sups = [SupervisionSegment(id=item.utt_id if whole else f"{item.utt_id}-{k:03d}", recording_id=item.utt_id,
-                               start=round(p.start, 3), duration=round(p.duration, 3), channel=0,
-                               text=item.text, speaker=item.speaker, language=language, custom=custom)
-            for k, p in enumerate(pieces)]
+    sups = [SupervisionSegment(id=utt_id, recording_id=item.utt_id, start=round(p.start, 3),
+                               duration=round(p.duration, 3), channel=0, text=text, speaker=speaker,
+                               language=language_of(speaker), custom=custom)
+            for utt_id, p, speaker, text in utterances_of(item, recording, samples, cfg, report)]
     return PreparedItem(recording, sups) if sups else None
 
 
@@ -431,7 +508,7 @@ def prepare_corpus(cfg: PrepareConfig) -> V.ValidationReport:
     recordings, supervisions, pending = [], [], []
     for item in tqdm(items, desc=f"read {layout} corpus", unit="file"):
         report.checked += 1
-        prepared = prepare_item(item, languages.get(item.speaker, cfg.language), cfg, report)
+        prepared = prepare_item(item, lambda speaker: languages.get(speaker, cfg.language), cfg, report)
         if prepared is None:
             continue
         rec = prepared.recording.to_dict()
