@@ -294,3 +294,32 @@ def test_kaldi_segments_give_a_long_recording_one_transcript_per_segment(tmp_pat
     assert sups["talk-1"]["text"] == SENTENCES[1] and sups["talk-1"]["start"] == pytest.approx(sentences[1][0], abs=0.01)
     report = {e.cut_id: e.reason for e in ValidationReport.read(tmp_path / "out" / "custom_bad_items.tsv").entries}
     assert report == {"talk-both": "too_long", "talk-past": "segment_outside_recording", f"talk-{last}": C.NO_TRANSCRIPT}
+
+
+def test_whisper_is_asked_for_english_speakers_only():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("custom_transcribe", ROOT / "egs/custom/local/transcribe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    class FakeAsr:
+        def transcribe(self, wav, sr):
+            return f"{wav.numel()} samples at {sr}"
+
+    transcribe = module.english_only(FakeAsr())
+    samples = np.zeros(160, np.float32)
+    assert transcribe(samples, 16000, "en-us") == "160 samples at 16000"
+    assert transcribe(samples, 16000, "") == "160 samples at 16000"  # no language: the default, English
+    assert transcribe(samples, 16000, "de") is None  # stays reported as no_transcript
+
+
+def test_run_sh_trains_the_custom_dataset(tmp_path):
+    fake = tmp_path / "python"  # a stand-in for python that prints what egs/train.sh launches
+    fake.write_text('#!/usr/bin/env bash\necho "LAUNCH $*"\n')
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(ROOT / "egs/custom/run.sh"), "--python", str(fake), "--nproc", "1"],
+                          env=dict(os.environ), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    launches = [line for line in proc.stdout.splitlines() if line.startswith("LAUNCH -m torch.distributed.run")]
+    assert len(launches) == 2 and all("--dataset custom" in line for line in launches)
