@@ -323,3 +323,19 @@ def test_run_sh_trains_the_custom_dataset(tmp_path):
     assert proc.returncode == 0, proc.stderr
     launches = [line for line in proc.stdout.splitlines() if line.startswith("LAUNCH -m torch.distributed.run")]
     assert len(launches) == 2 and all("--dataset custom" in line for line in launches)
+
+
+def test_a_transcript_that_is_not_utf8_is_named_not_guessed(tmp_path):
+    corpus = tmp_path / "c"
+    write_speech(corpus / "spk" / "ok.wav", SENTENCES[0], 0)
+    (corpus / "spk" / "ok.txt").write_text(SENTENCES[0])
+    write_speech(corpus / "spk" / "latin1.wav", SENTENCES[1], 0)
+    (corpus / "spk" / "latin1.txt").write_bytes("Caf\u00e9 au lait.".encode("latin-1"))
+    rc, log = manifests(corpus, tmp_path / "out")
+    assert rc == 0, log
+    report = ValidationReport.read(tmp_path / "out" / "custom_bad_items.tsv").entries
+    assert [(e.cut_id, e.reason) for e in report] == [("spk_latin1", "bad_manifest_item")]
+    assert "latin1.txt: not UTF-8" in report[0].detail
+    (corpus / "metadata.csv").write_bytes("spk_ok|Caf\u00e9.\n".encode("latin-1"))  # now the ljspeech layout
+    rc, log = manifests(corpus, tmp_path / "out")
+    assert rc == 2 and "metadata.csv: not UTF-8" in log and "Traceback" not in log

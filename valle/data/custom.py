@@ -134,8 +134,16 @@ def utt_id_from_path(corpus_dir: Path, audio: Path) -> str:
     return "_".join([*relative_parts(corpus_dir, audio), audio.stem])
 
 
+def read_lines(path: Path) -> list[str]:
+    """A corpus-wide file's lines (metadata.csv, Kaldi tables): one it cannot read stops all."""
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise CorpusError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}); convert it") from None
+
+
 def read_text_file(path: Path) -> str:
-    return " ".join(path.read_text(encoding="utf-8", errors="replace").split())
+    return " ".join(path.read_text(encoding="utf-8").split())
 
 
 def detect_layout(corpus_dir: Path) -> str:
@@ -151,10 +159,12 @@ def read_sidecar(corpus_dir: Path, report: V.ValidationReport) -> list[SourceIte
     items = []
     for audio in list_audio(corpus_dir):
         item = SourceItem(utt_id_from_path(corpus_dir, audio), audio, speaker_from_path(corpus_dir, audio))
-        for suffix in TRANSCRIPT_SUFFIXES:
-            if audio.with_suffix(suffix).is_file():
-                item.text = read_text_file(audio.with_suffix(suffix))
-                break
+        transcript = next((audio.with_suffix(x) for x in TRANSCRIPT_SUFFIXES if audio.with_suffix(x).is_file()), None)
+        try:
+            item.text = read_text_file(transcript) if transcript else None
+        except UnicodeDecodeError as e:  # not guessed at: another encoding would phonemize garbage
+            report.add(item.utt_id, V.BAD_MANIFEST_ITEM, f"{transcript}: not UTF-8 ({e.reason} at byte {e.start})")
+            continue
         items.append(item)
     return items
 
@@ -163,7 +173,7 @@ def read_ljspeech(corpus_dir: Path, report: V.ValidationReport) -> list[SourceIt
     """``metadata.csv`` rows; audio files it does not name are kept without a transcript."""
     by_id = {utt_id_from_path(corpus_dir, a): a for a in list_audio(corpus_dir)}
     items, listed = [], set()
-    lines = (corpus_dir / "metadata.csv").read_text(encoding="utf-8").splitlines()
+    lines = read_lines(corpus_dir / "metadata.csv")
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -189,7 +199,7 @@ def read_ljspeech(corpus_dir: Path, report: V.ValidationReport) -> list[SourceIt
 def read_kaldi_table(path: Path) -> dict[str, str]:
     """``key rest-of-line`` per line (Kaldi's text tables); the first of repeated keys kept."""
     table: dict[str, str] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in read_lines(path):
         key, _, value = line.strip().partition(" ")
         if key:
             table.setdefault(key, value.strip())
@@ -200,7 +210,7 @@ def read_kaldi_spans(corpus_dir: Path, texts: dict[str, str], spk: dict[str, str
                      report: V.ValidationReport) -> dict[str, list[SpanUtterance]]:
     """Kaldi's ``segments`` (``utt recording start end``): recording id -> its utterances."""
     spans: dict[str, list[SpanUtterance]] = {}
-    for lineno, line in enumerate((corpus_dir / "segments").read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(read_lines(corpus_dir / "segments"), 1):
         fields = line.split()
         if not fields:
             continue
@@ -282,7 +292,7 @@ def read_speaker_languages(path: Path | None) -> dict[str, str]:
     if path is None:
         return {}
     languages = {}
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(read_lines(path), 1):
         fields = line.split("#")[0].split()
         if not fields or (lineno == 1 and fields[0].lower() == "speaker"):
             continue
