@@ -339,3 +339,30 @@ def test_a_transcript_that_is_not_utf8_is_named_not_guessed(tmp_path):
     (corpus / "metadata.csv").write_bytes("spk_ok|Caf\u00e9.\n".encode("latin-1"))  # now the ljspeech layout
     rc, log = manifests(corpus, tmp_path / "out")
     assert rc == 2 and "metadata.csv: not UTF-8" in log and "Traceback" not in log
+
+
+def test_a_piece_without_a_pause_is_reported_under_its_own_id_and_the_others_keep_theirs():
+    rate = C.VAD_RATE
+
+    def tone(seconds: float) -> np.ndarray:
+        return 0.3 * np.sin(2 * np.pi * 200 * np.arange(int(seconds * rate)) / rate).astype(np.float32)
+
+    def quiet(seconds: float) -> np.ndarray:
+        return np.zeros(int(seconds * rate), np.float32)
+
+    # 3 s of sound, 1 s pause, 6 s without a pause, 1 s pause, 1 s of sound
+    samples = np.concatenate([tone(3), quiet(1), tone(6), quiet(1), tone(1)])
+    cfg = C.PrepareConfig(Path("."), Path("."), max_segment_duration=MAX_SEGMENT)
+    report = ValidationReport()
+    item = C.SourceItem("rec", Path("rec.wav"), "spk")
+    pieces = C.segments_of(item, samples.size / rate, samples, cfg, report)
+    assert [i for i, _ in pieces] == ["rec-000", "rec-002"]
+    assert pieces[0][1].start == 0.0 and 3.0 < pieces[0][1].end <= 3.2
+    assert 10.8 <= pieces[1][1].start < 11.0 and pieces[1][1].end == pytest.approx(12.0, abs=0.05)
+    assert [(e.cut_id, e.reason) for e in report.entries] == [("rec-001", "too_long")]
+    assert "no silence" in report.entries[0].detail
+    # with a transcript the same recording is refused whole: no alignment to cut it by
+    report = ValidationReport()
+    item.text = "A transcript of all of it."
+    assert C.segments_of(item, samples.size / rate, samples, cfg, report) == []
+    assert [(e.cut_id, e.reason) for e in report.entries] == [("rec", "too_long")]

@@ -383,15 +383,16 @@ class PreparedItem:
 
 
 def segments_of(item: SourceItem, duration: float, samples: np.ndarray, cfg: PrepareConfig,
-                report: V.ValidationReport) -> list[Segment]:
-    """The utterances of one file: the whole file when short enough, else (only without a
-    transcript) its pieces cut at silences. Each problem is reported by the item's id."""
+                report: V.ValidationReport) -> list[tuple[str, Segment]]:
+    """(id, span) of the utterances of one file: the whole file when short enough, else (only
+    without a transcript) its pieces cut at silences, ``<id>-000``, ``<id>-001``, ... in time
+    order. Each problem is reported by the id of what it concerns."""
     span, silences = speech_and_silences(samples, VAD_RATE, cfg.vad)
     if span is None:
         report.add(item.utt_id, SILENT_AUDIO, f"{item.audio}: no frame above {cfg.vad.floor_db:g} dBFS")
         return []
     if duration <= cfg.max_segment_duration:
-        return [Segment(0.0, duration)]
+        return [(item.utt_id, Segment(0.0, duration))]
     if item.text is not None:
         report.add(item.utt_id, V.TOO_LONG, (
             f"{item.audio}: {duration:.1f}s with one transcript > --max-segment-duration "
@@ -401,16 +402,17 @@ def segments_of(item: SourceItem, duration: float, samples: np.ndarray, cfg: Pre
     whole = Segment(max(0.0, span.start - cfg.vad.margin_s), min(duration, span.end + cfg.vad.margin_s))
     pieces = []
     for k, piece in enumerate(split_at_silences(whole, silences, cfg.max_segment_duration, cfg.vad.margin_s)):
+        piece_id = f"{item.utt_id}-{k:03d}"
         if piece.duration > cfg.max_segment_duration:
-            report.add(f"{item.utt_id}-{k:03d}", V.TOO_LONG, (
+            report.add(piece_id, V.TOO_LONG, (
                 f"{item.audio} {piece.start:.2f}-{piece.end:.2f}s: no silence of {cfg.vad.min_silence_s:g}s "
                 f"to cut at, {piece.duration:.1f}s > --max-segment-duration {cfg.max_segment_duration:g}"))
         elif piece.duration < cfg.min_duration:
-            report.add(f"{item.utt_id}-{k:03d}", V.TOO_SHORT, (
+            report.add(piece_id, V.TOO_SHORT, (
                 f"{item.audio} {piece.start:.2f}-{piece.end:.2f}s: {piece.duration:.2f}s < "
                 f"--min-duration {cfg.min_duration:g}"))
         else:
-            pieces.append(piece)
+            pieces.append((piece_id, piece))
     return pieces
 
 
@@ -443,10 +445,8 @@ def utterances_of(item: SourceItem, recording, samples: np.ndarray, cfg: Prepare
             report.add(item.utt_id, SILENT_AUDIO, f"{item.audio}: no frame above {cfg.vad.floor_db:g} dBFS")
             return []
         return checked_spans(item, recording.duration, cfg, report)
-    pieces = segments_of(item, recording.duration, samples, cfg, report)
-    if len(pieces) == 1 and pieces[0].duration == recording.duration:  # the whole file
-        return [(item.utt_id, pieces[0], item.speaker, item.text)]
-    return [(f"{item.utt_id}-{k:03d}", p, item.speaker, item.text) for k, p in enumerate(pieces)]
+    return [(utt_id, piece, item.speaker, item.text)
+            for utt_id, piece in segments_of(item, recording.duration, samples, cfg, report)]
 
 
 def prepare_item(item: SourceItem, language_of: Callable[[str], str], cfg: PrepareConfig,
