@@ -42,12 +42,16 @@ def english_only(asr):
 
 def main(argv: list[str] | None = None) -> int:
     from valle.data.custom import manifest_paths, transcribe_pending
-    from valle.data.manifests import read_jsonl
+    from valle.data.manifests import ManifestError, read_jsonl
     from valle.eval.asr import AsrUnavailable, WhisperAsr
 
     args = get_parser().parse_args(argv)
     paths = manifest_paths(args.manifest_dir, args.prefix)
-    waiting = sum(1 for _ in read_jsonl(paths["pending"]))
+    try:
+        waiting = sum(1 for _ in read_jsonl(paths["pending"]))
+    except ManifestError as e:  # stage 0 not run into this --manifest-dir
+        print(f"egs/custom/local/transcribe.py: error: {e} (run stage 0 first)", file=sys.stderr)
+        return 2
     if waiting == 0:
         print("transcribe: every utterance has a transcript")
         return 0
