@@ -169,6 +169,10 @@ def test_the_split_is_by_utterance_deterministic_and_keeps_every_speaker_in_trai
     for part in ("train", "dev"):
         assert read_gz(tmp_path / f"custom_cuts_{part}.jsonl.gz") == read_gz(tok / f"custom_cuts_{part}.jsonl.gz")
     assert again["dev"] >= 1
+    from valle.data.extremes import Extremes
+
+    for part, n in again.items():  # what the trainer's start-up reads, as for tokenized parts
+        assert Extremes.read(tok / f"custom_extremes_{part}.json").count == n
     assert C.held_out_counts({"a": 10, "b": 1, "c": 2}, 0.2, 1) == {"a": 2, "b": 0, "c": 0}
     assert C.held_out_counts({"a": 3, "b": 2}, 0.1, 2) == {"a": 1, "b": 1}
     assert C.held_out_counts({"a": 1}, 0.5, 1) == {"a": 0}  # one utterance stays in train

@@ -596,7 +596,10 @@ def split_held_out(cuts_path: Path, output_dir: Path, prefix: str, fraction: flo
                    min_valid: int = 1, seed: int = 0) -> dict[str, int]:
     """Tokenized cuts -> ``{prefix}_cuts_train`` and ``{prefix}_cuts_dev``, by utterance, the
     same on every run: each speaker's utterances ordered by a hash of (seed, id), the first
-    ones held out."""
+    ones held out. Each part gets its extremes record, as bin/tokenizer.py writes one per part."""
+    from lhotse import CutSet
+
+    from valle.data.extremes import Extremes, extremes_path
     from valle.data.manifests import read_jsonl
 
     def key(cut_id: str) -> str:
@@ -615,6 +618,7 @@ def split_held_out(cuts_path: Path, output_dir: Path, prefix: str, fraction: flo
         parts["dev" if cut["id"] in dev else "train"].append(cut)
     for name, cuts in parts.items():
         write_jsonl(output_dir / f"{prefix}_cuts_{name}.jsonl.gz", cuts)
+        Extremes.of(CutSet.from_dicts(cuts)).write(extremes_path(output_dir, prefix, name))
     return {name: len(cuts) for name, cuts in parts.items()}
 
 
