@@ -52,7 +52,8 @@ function fillLanguages(languages) {
   for (const id of ["language", "prompt-language"]) {
     const select = $(id);
     const keep = select.value;
-    const choices = languages.map((l) => option(l));
+    // A server started with --language auto lists "auto" already: offer it once.
+    const choices = languages.filter((l) => l !== "auto").map((l) => option(l));
     if (id === "language") choices.push(option("auto", "auto (by script)"));
     select.replaceChildren(...choices);
     if (choices.some((o) => o.value === keep)) select.value = keep;
