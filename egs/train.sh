@@ -10,6 +10,14 @@
 # Every run resumes from the newest valid checkpoint in --exp-dir (torchrun --max-restarts too).
 # --dtype auto (default): bfloat16 autocast where torch sees a GPU, float32 on CPU (bf16 autocast
 #   there is slower than fp32); --dtype float16 trains with a GradScaler instead.
+# Fine-tuning (docs/training.md, "Fine-tuning with LoRA"): --start-from CHECKPOINT (ours or
+#   lifeiteng/vall-e's; its architecture wins over the model flags below) with --lora-rank R
+#   trains rank-R adapters on the frozen weights with settings for a few hours of data: AdamW,
+#   lr --finetune-lr 5e-4, 100 warm-up steps then cosine to 0 over --finetune-steps 2000 steps
+#   per stage (AR, then NAR), validation, held-out samples in TensorBoard and a checkpoint
+#   every 250 steps, in --exp-dir (default exp/lora). The corpus must be tokenized with the
+#   base's symbol table, given as --text-tokens (prepare.sh --extra-tokenizer-flags
+#   "--text-tokens TABLE"). --start-from without --lora-rank trains every weight from there.
 set -euo pipefail
 
 dataset=""
@@ -26,7 +34,14 @@ exp_dir=exp/valle
 num_languages=0  # > 0: VALL-E X's language-id embedding; --languages gives the id order
 languages=""
 python=${PYTHON:-python}
-options="dataset recipe nproc dtype num_epochs max_duration max_text_tokens shar_dir exp_dir num_languages languages python"
+start_from=""       # initial weights: ours or lifeiteng/vall-e's
+lora_rank=0         # > 0 (needs --start-from): LoRA fine-tuning with the settings above
+lora_alpha=""       # default: 2 x --lora-rank
+lora_targets=attn,ffn
+finetune_steps=2000 # per stage, with --lora-rank
+finetune_lr=5e-4
+text_tokens=""      # the symbol table (default: data/tokenized's); with --start-from: the base's
+options="dataset recipe nproc dtype num_epochs max_duration max_text_tokens shar_dir exp_dir num_languages languages python start_from lora_rank lora_alpha lora_targets finetune_steps finetune_lr text_tokens"
 . "$(dirname "${BASH_SOURCE[0]}")/parse_options.sh"
 
 [ -n "$dataset" ] || { echo "$0: --dataset is required" >&2; exit 1; }
@@ -51,6 +66,19 @@ train=(--manifest-dir data/tokenized --dataset "$dataset" --max-duration "$max_d
 if [ -n "$shar_dir" ]; then train+=(--shar-dir "$shar_dir"); fi
 if [ "$num_languages" -gt 0 ]; then model+=(--num-languages "$num_languages"); fi
 if [ -n "$languages" ]; then train+=(--languages "$languages"); fi
+if [ -n "$text_tokens" ]; then train+=(--text-tokens "$text_tokens"); fi
+if [ "$lora_rank" -gt 0 ]; then
+  [ -n "$start_from" ] || { echo "$0: --lora-rank needs --start-from (the weights to adapt)" >&2; exit 1; }
+  [ "$exp_dir" != exp/valle ] || train+=(--exp-dir exp/lora)
+  # Later flags win: these replace the from-scratch schedule above.
+  train+=(--start-from "$start_from" --lora-rank "$lora_rank" --lora-alpha "${lora_alpha:-$((2 * lora_rank))}"
+          --lora-targets "$lora_targets" --lora-dropout 0.05
+          --optimizer-name AdamW --scheduler-name Cosine --base-lr "$finetune_lr" --warmup-steps 100
+          --max-steps "$finetune_steps" --num-epochs 1000
+          --valid-interval 250 --save-every-n 250 --valid-samples 4 --tensorboard true)
+elif [ -n "$start_from" ]; then
+  train+=(--start-from "$start_from")
+fi
 launch=("$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc" --max-restarts 3
         "$root/bin/trainer.py")
 

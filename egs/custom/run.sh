@@ -3,6 +3,8 @@
 # default, --recipe single-stage for both at once; every flag of egs/train.sh passes through
 # (--nproc, --dtype, --max-duration, --num-epochs, --exp-dir, ...). A corpus in several
 # languages also needs --num-languages N --languages a,b (as egs/vallex/run.sh).
+# Fine-tune a pretrained model on a few hours of your data instead (egs/train.sh's header):
+#   ./run.sh --start-from pretrained.pt --lora-rank 16 --text-tokens BASE_TABLE --nproc 1
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 exec bash ../train.sh --dataset custom "$@"

@@ -370,3 +370,23 @@ def test_a_piece_without_a_pause_is_reported_under_its_own_id_and_the_others_kee
     item.text = "A transcript of all of it."
     assert C.segments_of(item, samples.size / rate, samples, cfg, report) == []
     assert [(e.cut_id, e.reason) for e in report.entries] == [("rec", "too_long")]
+
+
+def test_run_sh_fine_tunes_with_lora_in_two_stages(tmp_path):
+    fake = tmp_path / "python"  # a stand-in for python that prints what egs/train.sh launches
+    fake.write_text('#!/usr/bin/env bash\necho "LAUNCH $*"\n')
+    fake.chmod(0o755)
+    run = ["bash", str(ROOT / "egs/custom/run.sh"), "--python", str(fake), "--nproc", "1"]
+    proc = subprocess.run([*run, "--start-from", "base.pt", "--lora-rank", "16", "--text-tokens", "t.k2"],
+                          env=dict(os.environ), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    launches = [line for line in proc.stdout.splitlines() if line.startswith("LAUNCH -m torch.distributed.run")]
+    assert [line.split("--train-stage ")[1].split()[0] for line in launches] == ["1", "2"]
+    for line in launches:
+        for flags in ("--start-from base.pt --lora-rank 16 --lora-alpha 32", "--optimizer-name AdamW "
+                      "--scheduler-name Cosine --base-lr 5e-4", "--max-steps 2000", "--valid-samples 4",
+                      "--exp-dir exp/lora", "--text-tokens t.k2"):
+            assert flags in line, line
+    proc = subprocess.run([*run, "--lora-rank", "16"], env=dict(os.environ), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1 and "--lora-rank needs --start-from" in proc.stderr
