@@ -161,3 +161,27 @@ def test_preempted_lora_run_resumes_to_the_uninterrupted_adapters(tmp_path, base
     for key in ("model", "model_avg"):
         for name in a[key]:
             torch.testing.assert_close(b[key][name], a[key][name], rtol=1e-6, atol=1e-7)
+
+
+def test_a_corpus_table_with_other_ids_than_the_bases_is_refused(tmp_path, caplog):
+    from valle.data.symbols import SymbolTable
+    from valle.train.finetune import check_text_tokens
+
+    base, same, other = tmp_path / "base.k2", tmp_path / "same.k2", tmp_path / "other.k2"
+    SymbolTable.from_symbols(["a", "b", "c"]).to_file(base)
+    SymbolTable.from_symbols(["a", "b"]).to_file(same)  # a subset: the same ids
+    SymbolTable.from_symbols(["a", "c"]).to_file(other)  # c gets b's id
+    check_text_tokens(str(base), str(same), "base.pt")
+    with pytest.raises(LoraError, match=r"other.k2: 1 symbol\(s\) \(c\).*--text-tokens .*base.k2"):
+        check_text_tokens(str(base), str(other), "base.pt")
+    check_text_tokens(str(tmp_path / "gone.k2"), str(other), "base.pt")  # cannot check: a warning
+    assert "cannot check" in caplog.text
+
+
+def test_lora_errors_are_usage_errors_with_one_line(tmp_path, base):
+    from valle.train.loop import main_from_config
+
+    base_path, _ = base
+    exp = tmp_path / "exp"
+    lora_run(exp, base_path, "--max-steps", "1", "--save-every-n", "1")
+    assert main_from_config(parse_config(argv(exp, "--max-steps", "2"))) == 2

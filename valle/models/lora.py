@@ -30,14 +30,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .convert import CheckpointError
 from .transformer import MultiHeadAttention, TransformerLayer
 
 LORA_TARGETS = ("attn", "ffn", "embed", "head")
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
 
 
-class LoraError(ValueError):
-    """Adapters that do not fit a model or its base; the message names the file."""
+class LoraError(CheckpointError):
+    """Adapters that do not fit a model or its base; the message names the file (a usage
+    error: the trainer exits 2 with it, bin/infer.py prints it)."""
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from valle.train.finetune import (
     adapters_only,
     attach_lora,
     check_lora_resume,
+    check_text_tokens,
     load_adapters,
 )
 from valle.train.metrics import TensorBoardLogger
@@ -136,12 +137,16 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     payload = find_resume_payload(cfg)
     architecture, initial_weights = payload, None
     # LoRA resumes load the frozen base again: the checkpoints hold the adapters alone.
+    base_table = None
     if cfg.start_from and (payload is None or cfg.lora.enabled):
-        from valle.models.convert import load_model_checkpoint
+        from valle.models.convert import from_payload, load_payload
 
         # the architecture of the weights we start from, whatever the flags say
-        initial_weights, hparams = load_model_checkpoint(cfg.start_from)
+        base_payload = load_payload(cfg.start_from)
+        initial_weights, hparams = from_payload(base_payload, cfg.start_from)
         architecture = {"config": hparams, "model": {}}
+        base_table = (base_payload.get("config") or {}).get("text_tokens") or hparams.get("text_tokens")
+        del base_payload
     model = get_model(model_hparams(cfg, architecture)).to(ctx.device)
     lora = None
     if cfg.lora.enabled:
@@ -181,6 +186,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     )
     # The model's head (a resumed checkpoint's, whatever the flag) must fit the corpus's codebook 0.
     data = build_train_data(cfg, ctx, ar_codebook_size=model.ar_codebook_size)
+    if lora is not None:
+        check_text_tokens(base_table, cfg.args.get("text_tokens"), cfg.start_from)
     run = Run(cfg, ctx, model, optimizer, scheduler, scaler, averager, stepper, data, quarantine,
               TensorBoardLogger(cfg.exp_dir / "tensorboard" / f"stage{cfg.train_stage}", enabled=cfg.tensorboard and ctx.is_main),
               StallWatchdog(cfg.stall_factor, cfg.stall_min_seconds,

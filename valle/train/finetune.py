@@ -91,3 +91,26 @@ def load_adapters(model: torch.nn.Module, payload: dict[str, Any], where: str) -
 def adapters_only(state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
     """A full state dict cut down to its adapters (the averaged model's, for checkpoints)."""
     return None if state is None else {k: v for k, v in state.items() if is_adapter_key(k)}
+
+
+def check_text_tokens(base_table: str | None, corpus_table: str | None, start_from: str) -> None:
+    """The corpus's symbols must have the ids the base was trained with: a corpus tokenized
+    with its own table would feed the adapters other phonemes under the same ids."""
+    from pathlib import Path
+
+    if not corpus_table or not base_table or Path(base_table).resolve() == Path(corpus_table).resolve():
+        return
+    if not Path(base_table).is_file():
+        logger.warning("--start-from %s names the symbol table %s, which is not here: cannot check "
+                       "that the corpus's (%s) gives the same ids", start_from, base_table, corpus_table)
+        return
+    from valle.data.symbols import SymbolTable
+
+    base, corpus = SymbolTable.from_file(base_table), SymbolTable.from_file(corpus_table)
+    differ = [s for s in corpus.symbols if s not in base or base.get(s) != corpus.get(s)]
+    if differ:
+        raise LoraError(
+            f"--text-tokens {corpus_table}: {len(differ)} symbol(s) ({', '.join(differ[:5])}) are "
+            f"missing from, or have other ids than in, the symbol table {base_table} of --start-from "
+            f"{start_from}: tokenize the corpus with bin/tokenizer.py --text-tokens {base_table} "
+            f"and train with --text-tokens {base_table}")
