@@ -185,3 +185,17 @@ def test_lora_errors_are_usage_errors_with_one_line(tmp_path, base):
     exp = tmp_path / "exp"
     lora_run(exp, base_path, "--max-steps", "1", "--save-every-n", "1")
     assert main_from_config(parse_config(argv(exp, "--max-steps", "2"))) == 2
+
+
+def test_two_stage_lora_trains_the_ar_adapters_then_the_nar_ones(tmp_path, base):
+    base_path, base_state = base
+    exp = tmp_path / "exp"
+    ar = lora_run(exp, base_path, "--train-stage", "1", "--max-steps", "2", "--save-every-n", "2")
+    nar = lora_run(exp, base_path, "--train-stage", "2", "--max-steps", "2", "--save-every-n", "2")
+    adapters = [k for k in nar.model_state if is_adapter_key(k) and k.endswith("lora_B")]
+    for key in adapters:
+        moved_in_ar = not torch.equal(ar.model_state[key], torch.zeros_like(ar.model_state[key]))
+        moved_in_nar = not torch.equal(nar.model_state[key], ar.model_state[key])
+        assert (moved_in_ar, moved_in_nar) == ((True, False) if key.startswith("ar_") else (False, True)), key
+    for key, value in base_state.items():
+        assert torch.equal(nar.model_state[key], value), key
