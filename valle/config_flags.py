@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,12 +69,15 @@ def option_strings(f: dataclasses.Field) -> tuple[str, ...]:
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type,
-              descriptions: dict[str, str] | None = None) -> None:
+              descriptions: dict[str, str] | None = None, groups: Collection[str] | None = None) -> None:
     """One argparse option per flag field of ``cls``, in its group (created on first use,
-    or the parser's group of that title when it has one already)."""
+    or the parser's group of that title when it has one already); ``groups``: only the
+    fields of these groups (a CLI that places its own flags between them)."""
     hints = typing.get_type_hints(cls)
     for f in flag_fields(cls):
         spec: Flag = f.metadata[FLAG]
+        if groups is not None and spec.group not in groups:
+            continue
         target = _group(parser, spec.group, (descriptions or {}).get(spec.group)) if spec.group else parser
         kwargs = _argparse_kwargs(f, spec, hints[f.name])
         target.add_argument(*option_strings(f), dest=f.name, **kwargs)

@@ -24,7 +24,12 @@ import torch
 from valle.args import DTYPES, str2bool
 from valle.codec.constants import NUM_AUDIO_TOKENS, SAMPLE_RATE
 from valle.config_flags import add_flags
-from valle.models.generation import DECODING_GROUP, DECODING_GROUP_DESCRIPTIONS, DecodeOptions
+from valle.models.generation import (
+    DECODING_GROUP,
+    DECODING_GROUP_DESCRIPTIONS,
+    EXPERIMENTAL_DECODING_GROUP,
+    DecodeOptions,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tsv", default=None, help="TSV with columns prompt_text, prompt_wav, text, out_wav"
     )
     p.add_argument("--output-dir", default="infer/demo", help="where wavs are written")
-    add_flags(p, DecodeOptions, DECODING_GROUP_DESCRIPTIONS)  # the decoding group
+    add_flags(p, DecodeOptions, groups=[DECODING_GROUP])
     g = next(group for group in p._action_groups if group.title == DECODING_GROUP)
     g.add_argument("--split-sentences", action="store_true",
                    help="synthesise a long text sentence by sentence (same prompt) and join the audio")  # fmt: skip
@@ -91,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of silence between joined sentences")  # fmt: skip
     g.add_argument("--batch-size", type=int, default=1,
                    help="texts decoded together (faster; sampled rows then depend on their batch)")  # fmt: skip
+    add_flags(p, DecodeOptions, DECODING_GROUP_DESCRIPTIONS, groups=[EXPERIMENTAL_DECODING_GROUP])
     p.add_argument("--continual", type=str2bool, nargs="?", const=True, default=False,
                    help="resynthesise the prompt audio: codebook 0 from it, the NAR predicts "
                         "the rest; --text-prompts is its whole transcript and --text is not used")  # fmt: skip
