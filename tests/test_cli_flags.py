@@ -1,9 +1,9 @@
 """Every flag of bin/trainer.py and bin/infer.py keeps its name, aliases, default and choices:
 the parsers are generated from the config dataclasses now, and users must see no change.
 
-The expected tables were written from the hand-written parsers of commit a5fee66
-(``python tests/test_cli_flags.py`` rewrites them from the current code: only do that for
-a change of flags that is meant).
+The expected tables were written from the hand-written parsers of commit a5fee66 (and
+--language's help then updated by main's ``--language auto``); ``python tests/test_cli_flags.py``
+rewrites them from the current code: only do that for a change of flags that is meant.
 """
 
 from __future__ import annotations
