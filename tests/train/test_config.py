@@ -65,3 +65,22 @@ def test_bad_valid_samples_decode_names_the_flag(text, why):
     with pytest.raises(ValueError, match="--valid-samples-decode") as e:
         parse_decode_flags(text)
     assert why in str(e.value)
+
+
+def test_the_run_builds_its_optimizer_from_the_configs_recipe(tmp_path):
+    """The optimizer settings without a flag live in cfg.optimizer_recipe, and the run uses
+    them (not build_optimizer's defaults)."""
+    import torch
+
+    from tests.support.scenarios import TINY_MODEL
+    from valle.train.build import build_run
+    from valle.train.dist import DistContext
+    from valle.train.optim import OptimizerRecipe
+
+    cfg = parse_config(TINY_MODEL + ["--exp-dir", str(tmp_path), "--synthetic-data", "8",
+                                     "--optimizer-name", "AdamW"])
+    assert cfg.optimizer_recipe == OptimizerRecipe()
+    cfg.optimizer_recipe = OptimizerRecipe(betas=(0.5, 0.6), eps=1e-6)
+    run = build_run(cfg, DistContext(device=torch.device("cpu")))
+    group = run.optimizer.param_groups[0]
+    assert tuple(group["betas"]) == (0.5, 0.6) and group["eps"] == 1e-6

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 from typing import Any
 
@@ -135,7 +135,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
         architecture = {"config": hparams, "model": {}}
     model = get_model(architecture_hparams(cfg, architecture)).to(ctx.device)
     named = model.stage_parameters(cfg.train_stage)
-    optimizer = build_optimizer(cfg.optimizer_name, named, cfg.base_lr, weight_decay=cfg.weight_decay)
+    optimizer = build_optimizer(cfg.optimizer_name, named, cfg.base_lr, weight_decay=cfg.weight_decay,
+                                **asdict(cfg.optimizer_recipe))
     scheduler = build_scheduler(cfg.scheduler_name, optimizer, cfg.warmup_steps,
                                 total_steps=cfg.max_steps or None, lr_batches=cfg.lr_batches,
                                 lr_epochs=cfg.lr_epochs,

@@ -13,7 +13,7 @@ from valle.config_flags import add_flags, flag, flag_values, from_namespace
 from valle.data.datamodule import DataConfig, add_data_flags
 from valle.models.config import ModelConfig, add_model_arguments
 from valle.models.generation import DecodeOptions
-from valle.train.optim import OPTIMIZERS
+from valle.train.optim import OPTIMIZERS, OptimizerRecipe
 from valle.train.resilience.faults import FaultSpec, parse_fault
 from valle.train.resilience.gradsync import SYNC_MODES
 from valle.train.schedulers import SCHEDULERS
@@ -165,6 +165,8 @@ class TrainConfig:
         group=SYNTHETIC)
     synthetic_batch_size: int = flag(8, group=SYNTHETIC)
     synthetic_partition: str = flag("rows", group=SYNTHETIC, choices=("rows", "batches"))
+    # the recipes' optimizer settings that have no flag (valle/train/optim.py)
+    optimizer_recipe: OptimizerRecipe = field(default_factory=OptimizerRecipe)
     # the typed sub-configs of the other flags
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
