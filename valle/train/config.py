@@ -28,12 +28,12 @@ SYNTHETIC = "synthetic data"
 
 
 def _training(default: Any = MISSING, help: str | None = None, **spec: Any) -> Any:
-    return flag(default, help, group=spec.pop("group", TRAINING), **spec)
+    return flag(default, help, group=TRAINING, **spec)
 
 
 def _samples(default: Any, help: str) -> Any:
-    """Hear it train (docs/training.md): rank 0 synthesises fixed held-out items at each
-    validation and writes audio, mel/attention images and scores to TensorBoard."""
+    """Hear it train (docs/training.md, valle/train/samples.py): rank 0 synthesises fixed
+    held-out items at each validation and writes them to TensorBoard."""
     return flag(default, help, group=SAMPLES)
 
 
