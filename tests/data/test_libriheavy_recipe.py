@@ -1,0 +1,172 @@
+"""The Libriheavy recipe (egs/libriheavy), every stage as a user runs it, on a small corpus in
+the real layout: Libriheavy's published cut manifests (segments of long LibriLight recordings,
+texts/pre_texts, source paths under download/librilight/) and LibriLight's flac tree
+elsewhere (fake audio; the download stage finds both and skips); then a 2-step training run
+on what it made."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+from data_testlib import run_recipe, run_sh_launches, tone, train_two_steps
+
+pytestmark = pytest.mark.timeout(600)
+
+TOKENIZER_FLAGS = "--allow-random-encodec --download-encodec false --chunk-size 2 --batch-duration 4"
+SR = 16000
+# (book text, cased and punctuated; the ASR text) per segment of the long recording
+LONG_SEGMENTS = [("The cat sat down.", "THE CAT SAT DOWN"), ("\"Where is it?\" she asked.", "WHERE IS IT SHE ASKED"),
+                 ("Rain fell today.", "RAIN FELL TODAY"), ("We walked home.", "WE WALKED HOME")]
+HELD_OUT = {"dev": ("A bird sang.", "A BIRD SANG"), "test_clean": ("Open the door.", "OPEN THE DOOR"),
+            "test_other": ("It is late now.", "IT IS LATE NOW")}
+PITCHES = [220.0, 330.0, 440.0, 550.0]  # one per segment of the long recording
+
+
+def _write_jsonl_gz(path: Path, items: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for d in items:
+            f.write(json.dumps(d, ensure_ascii=False) + "\n")
+
+
+def _read(path: Path) -> list[dict]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _flac(librilight: Path, rel: str, audio: np.ndarray) -> dict:
+    """A LibriLight flac at ``rel`` and its recording dict as Libriheavy publishes it."""
+    path = librilight / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sf.write(path, audio, SR, format="FLAC")
+    rec_id = rel.removesuffix(".flac")
+    return {"id": rec_id, "sources": [{"type": "file", "channels": [0], "source": f"download/librilight/{rel}"}],
+            "sampling_rate": SR, "num_samples": len(audio), "duration": len(audio) / SR, "channel_ids": [0]}
+
+
+def _long_recording() -> np.ndarray:
+    """0.5 s of silence, then one 2 s sine per segment, each at its own pitch: a segment's
+    audio tells which span of the recording it came from."""
+    t = np.arange(2 * SR) / SR
+    blocks = [np.zeros(SR // 2)] + [0.3 * np.sin(2 * np.pi * f * t) for f in PITCHES]
+    return np.concatenate(blocks).astype(np.float32)
+
+
+def _dominant_hz(audio: np.ndarray, sr: int) -> float:
+    spectrum = np.abs(np.fft.rfft(audio))
+    return float(np.argmax(spectrum) * sr / len(audio))
+
+
+def _cut(rec: dict, index: int, start: float, duration: float, texts: tuple[str, str], speaker: str) -> dict:
+    cut_id = f"{rec['id']}_{index}"
+    return {"id": cut_id, "start": start, "duration": duration, "channel": 0,
+            "supervisions": [{"id": cut_id, "recording_id": rec["id"], "start": 0, "duration": duration,
+                              "channel": 0, "language": "English", "speaker": speaker,
+                              "custom": {"texts": list(texts), "pre_texts": ["...before. " * 50, "BEFORE " * 50],
+                                         "begin_byte": 100 * index, "end_byte": 100 * index + 60}}],
+            "recording": rec, "custom": {"text_path": "download/librilight_text/output_text_small_cleaned/x/text.txt"},
+            "type": "MonoCut"}
+
+
+def make_libriheavy(root: Path) -> tuple[Path, Path, dict]:
+    """libriheavy/libriheavy_cuts_{small,dev,test_clean,test_other}.jsonl.gz and librilight/
+    {small,...}/{speaker}/{book}/{file}.flac. small: four segments (start > 0) of one 9 s
+    recording, and a cut whose flac is not there; each held-out part one segment of its own."""
+    manifests, librilight = root / "libriheavy", root / "librilight"
+    long_rec = _flac(librilight, "small/100/sea_fairies_64kb_mp3/01_baum_sea_fairies_64kb.flac", _long_recording())
+    small = [_cut(long_rec, i, 0.5 + 2.0 * i, 1.3, texts, "100") for i, texts in enumerate(LONG_SEGMENTS)]
+    ghost = dict(long_rec, id="small/200/lost_book/lost",
+                 sources=[{"type": "file", "channels": [0], "source": "download/librilight/small/200/lost_book/lost.flac"}])
+    small.append(_cut(ghost, 0, 1.0, 1.2, ("The end came.", "THE END CAME"), "200"))
+    _write_jsonl_gz(manifests / "libriheavy_cuts_small.jsonl.gz", small)
+    for k, (part, texts) in enumerate(HELD_OUT.items()):
+        rec = _flac(librilight, f"medium/{300 + k}/book_{k}/chapter_{k}.flac", tone(4.0, SR, 10 + k))
+        _write_jsonl_gz(manifests / f"libriheavy_cuts_{part}.jsonl.gz", [_cut(rec, 0, 1.5, 1.2, texts, str(300 + k))])
+    return manifests, librilight, {"long": long_rec, "small": small, "ghost": small[-1]["id"]}
+
+
+@pytest.fixture(scope="module")
+def libriheavy(tmp_path_factory):
+    root = tmp_path_factory.mktemp("libriheavy")
+    manifests, librilight, made = make_libriheavy(root)
+    data = root / "data"
+    rc, out, err = run_recipe("egs/libriheavy/prepare.sh", "--data-dir", str(data), "--manifests-dir",
+                              str(manifests), "--librilight-dir", str(librilight), "--dataset-parts",
+                              "small dev test_clean test_other", "--num-jobs", "0", "--stop-stage", "5",
+                              "--shar-shard-size", "2", "--extra-tokenizer-flags", TOKENIZER_FLAGS, timeout=400)
+    assert rc == 0, out[-3000:] + err[-3000:]
+    return data, made, out + err
+
+
+def test_every_stage_runs_and_the_download_is_skipped(libriheavy):
+    data, _, log = libriheavy
+    assert "Traceback" not in log
+    assert "not downloaded again" in log
+    tok = data / "tokenized"
+    for part in ("small", "dev", "test_clean", "test_other"):
+        assert (tok / f"libriheavy_cuts_{part}.jsonl.gz").is_file(), part
+    assert "libriheavy_cuts_train.jsonl.gz: 4 cuts" in log  # stage 4
+
+def test_shar_shards_read_back_with_the_slashed_cut_ids(libriheavy):
+    # Libriheavy's cut ids are paths ("small/100/book/file_0"): HDF5 keys and Shar members hold them
+    from lhotse import CutSet
+
+    data, made, _ = libriheavy
+    shar = list(CutSet.from_shar(in_dir=data / "shar" / "train"))
+    assert sorted(c.id for c in shar) == sorted(c["id"] for c in made["small"][:4])
+    assert all(c.load_features().shape[1] == 8 for c in shar)
+
+
+def test_manifests_place_each_segment_in_its_recording_under_the_users_librilight(libriheavy):
+    data, made, _ = libriheavy
+    man = data / "manifests"
+    recs = _read(man / "libriheavy_recordings_small.jsonl.gz")
+    assert [r["id"] for r in recs] == [made["long"]["id"]]  # four segments, one recording
+    source = Path(recs[0]["sources"][0]["source"])
+    assert source.is_file() and "download/librilight" not in str(source)
+    sups = _read(man / "libriheavy_supervisions_small.jsonl.gz")
+    assert [s["start"] for s in sups] == [0.5, 2.5, 4.5, 6.5]  # the cuts' starts, in the recording
+    # the book's cased, punctuated text; pre_texts and byte offsets are not carried along
+    assert [s["text"] for s in sups] == [t for t, _ in LONG_SEGMENTS]
+    assert all("custom" not in s or "pre_texts" not in (s["custom"] or {}) for s in sups)
+
+
+def test_a_cut_whose_flac_is_missing_is_listed_not_dropped_silently(libriheavy):
+    from valle.data.validation import ValidationReport
+
+    data, made, log = libriheavy
+    report = ValidationReport.read(data / "manifests" / "libriheavy_skipped_small.tsv")
+    assert [(e.cut_id, e.reason) for e in report.entries] == [(made["ghost"], "missing_audio")]
+    assert "lost.flac" in report.entries[0].detail
+    assert "part small: 4 utterances" in log and "missing_audio 1" in log
+
+
+def test_tokenized_segments_hold_the_codes_of_their_own_span(libriheavy):
+    from lhotse import CutSet
+
+    data, made, _ = libriheavy
+    cuts = CutSet.from_file(data / "tokenized" / "libriheavy_cuts_train.jsonl.gz")
+    assert sorted(c.id for c in cuts) == sorted(c["id"] for c in made["small"][:4])
+    pitch = {c["id"]: f for c, f in zip(made["small"], PITCHES)}
+    for cut in cuts:
+        sup = cut.supervisions[0]
+        assert sup.custom["tokens"]["text"] and sup.custom["espeak_voice"] == "en-us"
+        assert cut.sampling_rate == 24000 and cut.features.sampling_rate == 24000
+        codes = cut.load_features()
+        assert codes.shape[1] == 8 and abs(codes.shape[0] - round(cut.duration * 75)) <= 1
+        # the segment's audio is its own span of the long recording (resampled to 24 kHz)
+        audio = cut.load_audio()[0]
+        assert len(audio) == cut.num_samples
+        assert abs(_dominant_hz(audio, 24000) - pitch[cut.id]) < 5, cut.id
+
+
+def test_run_sh_trains_two_steps_on_the_tokenized_cuts(libriheavy, tmp_path):
+    data, _, _ = libriheavy
+    launches = run_sh_launches("egs/libriheavy/run.sh", tmp_path)
+    assert len(launches) == 2 and all("--dataset libriheavy" in x for x in launches)  # AR, then NAR
+    train_two_steps(data / "tokenized", "libriheavy", tmp_path / "exp")
