@@ -135,3 +135,43 @@ def test_run_sh_trains_two_steps_with_six_languages(emilia, tmp_path):
     log = train_two_steps(data / "tokenized", "emilia", tmp_path / "exp", "--num-languages", "6",
                           "--languages", "en-us,cmn,de,fr-fr,ja,ko")
     assert "languages (id order): en-us, cmn, de, fr-fr, ja, ko" in log
+
+
+def test_malformed_and_unreadable_rows_are_listed_and_the_rest_kept(tmp_path):
+    from valle.data.emilia import main
+    from valle.data.validation import ValidationReport
+
+    lang_dir = tmp_path / "Emilia" / "raw" / "DE"
+    good, broken = _row("de", 0, "Guten Tag."), _row("de", 1, "Das Haus.")
+    sf.write(_mkdirs(lang_dir / good["wav"]), tone(1.0, SR, 0), SR, format="MP3")
+    _mkdirs(lang_dir / broken["wav"]).write_bytes(b"not an mp3 at all" * 20)
+    no_text = {k: v for k, v in _row("de", 2, "x").items() if k != "text"}
+    odd_score = dict(_row("de", 3, "Hallo."), dnsmos="n/a")
+    (lang_dir / "DE_B00000.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in (good, broken, no_text, odd_score)), encoding="utf-8")
+    out = tmp_path / "manifests"
+    assert main(["prepare", "--corpus-dir", str(tmp_path / "Emilia"), "--output-dir", str(out),
+                 "--languages", "de", "--num-jobs", "2"]) == 0
+    assert [s["id"] for s in _cuts(out / "emilia_supervisions_de.jsonl.gz")] == [good["id"]]
+    report = ValidationReport.read(out / "emilia_skipped_de.tsv")
+    assert [(e.cut_id, e.reason) for e in report.entries] == [
+        (no_text["id"], "bad_manifest_item"), (odd_score["id"], "bad_manifest_item"),
+        (broken["id"], "unreadable_audio")]
+    assert "no text" in report.entries[0].detail and "DE_B00000.jsonl:3" in report.entries[0].detail
+
+
+def test_a_wrong_corpus_dir_or_language_is_one_error_line(tmp_path, capsys):
+    from valle.data.emilia import main
+
+    assert main(["prepare", "--corpus-dir", str(tmp_path), "--output-dir", str(tmp_path / "o"),
+                 "--languages", "en"]) == 2
+    assert f"{tmp_path}/raw/EN: no such directory" in capsys.readouterr().err
+    assert main(["prepare", "--corpus-dir", str(tmp_path), "--output-dir", str(tmp_path / "o"),
+                 "--languages", "es"]) == 2
+    assert "unknown Emilia language(s) ['es']" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").iterdir())
+
+
+def _mkdirs(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path

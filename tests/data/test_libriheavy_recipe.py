@@ -170,3 +170,28 @@ def test_run_sh_trains_two_steps_on_the_tokenized_cuts(libriheavy, tmp_path):
     launches = run_sh_launches("egs/libriheavy/run.sh", tmp_path)
     assert len(launches) == 2 and all("--dataset libriheavy" in x for x in launches)  # AR, then NAR
     train_two_steps(data / "tokenized", "libriheavy", tmp_path / "exp")
+
+
+def test_text_upper_takes_the_asr_transcript(tmp_path):
+    from valle.data.libriheavy import main
+
+    manifests, librilight, _ = make_libriheavy(tmp_path)
+    out = tmp_path / "manifests"
+    assert main(["prepare", "--manifests-dir", str(manifests), "--librilight-dir", str(librilight),
+                 "--output-dir", str(out), "--parts", "small", "--text", "upper"]) == 0
+    assert [s["text"] for s in _read(out / "libriheavy_supervisions_small.jsonl.gz")] == [
+        u for _, u in LONG_SEGMENTS]
+
+
+def test_wrong_parts_and_directories_are_one_error_line(tmp_path, capsys):
+    from valle.data.libriheavy import main
+
+    manifests, librilight, _ = make_libriheavy(tmp_path)
+    common = ["prepare", "--manifests-dir", str(manifests), "--output-dir", str(tmp_path / "o")]
+    assert main([*common, "--librilight-dir", str(librilight), "--parts", "train-clean-100"]) == 2
+    assert "unknown Libriheavy part(s) ['train-clean-100']" in capsys.readouterr().err
+    assert main([*common, "--librilight-dir", str(tmp_path / "nowhere"), "--parts", "small"]) == 2
+    assert "--librilight-dir" in capsys.readouterr().err
+    (manifests / "libriheavy_cuts_dev.jsonl.gz").unlink()
+    assert main([*common, "--librilight-dir", str(librilight), "--parts", "dev"]) == 2
+    assert "libriheavy_cuts_dev.jsonl.gz: no such Libriheavy manifest" in capsys.readouterr().err
