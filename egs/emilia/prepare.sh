@@ -14,7 +14,8 @@
 #         2 tokenize (bin/tokenizer.py, restartable; one run for the espeak languages, one for
 #           zh; on many GPUs the same commands under torchrun or a SLURM array: docs/data.md),
 #         3 held-out parts: per language the first --num-dev cuts -> dev, the next --num-test
-#           -> test, the rest -> train; all languages combined -> emilia_cuts_{train,dev,test},
+#           -> test, the rest -> train; all languages combined -> emilia_cuts_{train,dev,test} (train
+#           interleaved: every stretch of it holds the languages in proportion),
 #         4 statistics (cuts per language), 5 (on request) Lhotse Shar shards of train.
 # Japanese: espeak's ja voice reads kana; text with kanji makes it switch language, and such
 # cuts are reported (language_switch) and left out: most of Emilia's JA (docs/data.md).
@@ -97,7 +98,9 @@ if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
     parts_dev+=("$tok/emilia_${lang}_cuts_dev.jsonl.gz")
     parts_test+=("$tok/emilia_${lang}_cuts_test.jsonl.gz")
   done
-  "${recipe[@]}" combine "$tok/emilia_cuts_train.jsonl.gz" "${parts_train[@]}"
+  # interleaved, not concatenated: the trainer shuffles inside a buffer, and a manifest in
+  # language blocks would train on one language at a time
+  "$python" -m valle.data.emilia interleave "$tok/emilia_cuts_train.jsonl.gz" "${parts_train[@]}"
   "${recipe[@]}" combine "$tok/emilia_cuts_dev.jsonl.gz" "${parts_dev[@]}"
   "${recipe[@]}" combine "$tok/emilia_cuts_test.jsonl.gz" "${parts_test[@]}"
 fi

@@ -175,3 +175,30 @@ def test_a_wrong_corpus_dir_or_language_is_one_error_line(tmp_path, capsys):
 def _mkdirs(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def test_interleave_spreads_each_language_evenly_over_train(tmp_path):
+    from valle.data.emilia import main
+
+    sizes = {"en": 60, "zh": 30, "ja": 10}
+    inputs = []
+    for lang, n in sizes.items():
+        path = tmp_path / f"emilia_{lang}_cuts_train.jsonl.gz"
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.writelines(json.dumps({"id": f"{lang}-{k:03d}"}) + "\n" for k in range(n))
+        inputs.append(str(path))
+    out = tmp_path / "train.jsonl.gz"
+    assert main(["interleave", str(out), *inputs]) == 0
+    ids = [c["id"] for c in _cuts(out)]
+    # each input's cuts, in their own order, and nothing else
+    assert sorted(ids) == sorted(f"{lang}-{k:03d}" for lang, n in sizes.items() for k in range(n))
+    for lang in sizes:
+        mine = [i for i in ids if i.startswith(lang)]
+        assert mine == sorted(mine)
+    # every prefix holds each language in proportion, within one cut
+    total = sum(sizes.values())
+    for length in range(1, total + 1):
+        for lang, n in sizes.items():
+            have = sum(1 for i in ids[:length] if i.startswith(lang))
+            assert abs(have - length * n / total) <= 1, (length, lang)
+    assert main(["interleave", str(out), *inputs]) == 0 and [c["id"] for c in _cuts(out)] == ids  # deterministic

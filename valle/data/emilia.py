@@ -14,6 +14,7 @@ emilia recipe reads it, into one folder per language under ``raw/``::
 
     python -m valle.data.emilia prepare --corpus-dir D --output-dir O [--languages "en zh de fr ja ko"]
         [--min-dnsmos 0] [--num-jobs 4]
+    python -m valle.data.emilia interleave OUT IN [IN ...]   the languages' train cuts, evenly mixed
 
 writes, per language (the part is its lower-case code), ``emilia_{recordings,supervisions}_{lang}
 .jsonl.gz`` (the supervision keeps the row's language, speaker and ``custom["dnsmos"]``) and
@@ -140,6 +141,39 @@ def prepare_language(corpus_dir: Path, output_dir: Path, lang: str, min_dnsmos: 
     return writer
 
 
+def count_lines(path: Path) -> int:
+    return sum(1 for _ in read_jsonl(path))
+
+
+def interleave(output: Path, inputs: list[Path]) -> list[int]:
+    """Join the languages' train cuts so that every stretch of the output holds them in
+    proportion to their sizes (deterministic; streaming, one cut per input in memory). The
+    trainer shuffles a lazy manifest inside a buffer of --buffer-size cuts: concatenated,
+    the first hours of training would see English only. Returns the inputs' cut counts."""
+    import heapq
+
+    from valle.data.recipe import _Writer
+
+    counts = [count_lines(p) for p in inputs]
+    streams = [iter(read_jsonl(p)) for p in inputs]
+    # Input i's k-th cut goes at position (k + 0.5) / n_i of the output; the heap merges them.
+    heap = [(0.5 / n, i, 0) for i, n in enumerate(counts) if n]
+    heapq.heapify(heap)
+    writer = _Writer(output)
+    try:
+        while heap:
+            _, i, k = heapq.heappop(heap)
+            writer.write(next(streams[i]))
+            if k + 1 < counts[i]:
+                heapq.heappush(heap, ((k + 1.5) / counts[i], i, k + 1))
+    except BaseException:
+        writer.discard()
+        raise
+    writer.finish()
+    print(f"interleave: {sum(counts)} cuts from {len(inputs)} manifest(s) ({', '.join(map(str, counts))}) -> {output}")
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m valle.data.emilia", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -151,10 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--min-dnsmos", type=float, default=0.0,
                    help="leave out rows whose DNSMOS score is below this (0: keep all)")
     r.add_argument("--num-jobs", type=int, default=4, help="threads reading mp3 headers")
+    m = sub.add_parser("interleave", help="join cut manifests, each spread evenly over the output")
+    m.add_argument("output", type=Path)
+    m.add_argument("inputs", type=Path, nargs="+")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    languages = args.languages.split()
     try:
+        if args.cmd == "interleave":
+            interleave(args.output, args.inputs)
+            return 0
+        languages = args.languages.split()
         check_languages(languages)
         for lang in languages:
             prepare_language(args.corpus_dir, args.output_dir, lang, args.min_dnsmos, args.num_jobs)
