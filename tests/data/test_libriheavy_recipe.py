@@ -195,3 +195,51 @@ def test_wrong_parts_and_directories_are_one_error_line(tmp_path, capsys):
     (manifests / "libriheavy_cuts_dev.jsonl.gz").unlink()
     assert main([*common, "--librilight-dir", str(librilight), "--parts", "dev"]) == 2
     assert "libriheavy_cuts_dev.jsonl.gz: no such Libriheavy manifest" in capsys.readouterr().err
+
+
+def test_download_resumes_and_shows_only_whole_files(tmp_path, monkeypatch):
+    """Stage 0 with the network replaced: a transfer cut short leaves no file that looks whole,
+    the next run resumes it; LibriLight's tar is unpacked into {part}/ for the parts the
+    manifests' audio lies in (the held-out parts say which)."""
+    import io
+    import tarfile
+
+    import lhotse.utils
+
+    from valle.data import libriheavy
+
+    manifests, _, _ = make_libriheavy(tmp_path / "src")
+    tar_bytes = io.BytesIO()
+    with tarfile.open(fileobj=tar_bytes, mode="w") as tar:
+        for name in ("small/100/book/a.flac", "small/100/book/a.json"):
+            info = tarfile.TarInfo(name)
+            info.size = 4
+            tar.addfile(info, io.BytesIO(b"fLaC"))
+    calls = []
+
+    def fake_download(url, filename, **_):
+        name = url.rsplit("/", 1)[1]
+        body = tar_bytes.getvalue() if name.endswith(".tar") else (manifests / name).read_bytes()
+        done = Path(filename).stat().st_size if Path(filename).exists() else 0
+        calls.append((name, done))
+        if len(calls) == 1:  # the first transfer breaks half-way
+            Path(filename).write_bytes(body[: len(body) // 2])
+            raise ConnectionError("reset by peer")
+        with open(filename, "ab") as f:
+            f.write(body[done:])
+
+    monkeypatch.setattr(lhotse.utils, "resumable_download", fake_download)
+    out, audio = tmp_path / "manifests", tmp_path / "librilight"
+    with pytest.raises(ConnectionError):
+        libriheavy.download(out, ["small", "dev"], audio)
+    assert not (out / "libriheavy_cuts_small.jsonl.gz").exists()  # only the .part
+    libriheavy.download(out, ["small", "dev"], audio)
+    assert calls[1][1] > 0  # resumed, not restarted
+    for part in ("small", "dev"):
+        assert _read(out / f"libriheavy_cuts_{part}.jsonl.gz") == _read(manifests / f"libriheavy_cuts_{part}.jsonl.gz")
+    # small's audio is in LibriLight's small, dev's in medium (make_libriheavy puts it there)
+    assert (audio / "small" / "100" / "book" / "a.flac").read_bytes() == b"fLaC"
+    assert (audio / "medium").is_dir() and sorted(p.name for p in audio.iterdir()) == ["medium", "small"]
+    n = len(calls)
+    libriheavy.download(out, ["small", "dev"], audio)  # everything there: nothing fetched
+    assert len(calls) == n

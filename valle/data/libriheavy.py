@@ -124,6 +124,21 @@ def prepare_part(manifests_dir: Path, librilight_dir: Path, output_dir: Path, pa
     return writer
 
 
+def fetch(url: str, target: Path) -> None:
+    """``url`` -> ``target``, resumed across interruptions under ``{target}.part`` and renamed
+    when complete, so a file that exists is whole."""
+    import os
+
+    from lhotse.utils import resumable_download
+
+    if target.is_file():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".part")
+    resumable_download(url, filename=str(partial))
+    os.replace(partial, target)
+
+
 def librilight_parts_of(path: Path) -> set[str]:
     """The LibriLight parts (small, medium, large) a cut manifest's audio lies in."""
     found = set()
@@ -139,9 +154,9 @@ def download(manifests_dir: Path, parts: list[str], librilight_dir: Path | None 
     """The parts' cut manifests from huggingface; with ``librilight_dir``, LibriLight's tars
     too (small 577 h, medium 5,193 h, large 51,934 h: tens of terabytes), unpacked there.
     Files already present are kept."""
+    import os
+    import shutil
     import tarfile
-
-    from lhotse.utils import resumable_download
 
     Path(manifests_dir).mkdir(parents=True, exist_ok=True)
     for part in parts:
@@ -149,7 +164,7 @@ def download(manifests_dir: Path, parts: list[str], librilight_dir: Path | None 
         if target.is_file():
             logger.info("%s is there: not downloaded again", target)
             continue
-        resumable_download(MANIFEST_URL.format(part=part), filename=str(target))
+        fetch(MANIFEST_URL.format(part=part), target)
     if librilight_dir is None:
         return
     needed = {p for p in parts if p in LIBRILIGHT_PARTS}
@@ -161,11 +176,14 @@ def download(manifests_dir: Path, parts: list[str], librilight_dir: Path | None 
         if (out / part).is_dir():
             logger.info("%s is there: not downloaded again", out / part)
             continue
-        tar = out / f"{part}.tar"
-        out.mkdir(parents=True, exist_ok=True)
-        resumable_download(LIBRILIGHT_URL.format(part=part), filename=str(tar))
+        tar, unpacking = out / f"{part}.tar", out / f".unpacking-{part}"
+        fetch(LIBRILIGHT_URL.format(part=part), tar)
+        shutil.rmtree(unpacking, ignore_errors=True)  # an unpacking cut short starts again
         with tarfile.open(tar) as f:
-            f.extractall(out, filter="data")
+            f.extractall(unpacking, filter="data")
+        # renamed into place only when whole (the tar holds {part}/...)
+        os.replace(unpacking / part if (unpacking / part).is_dir() else unpacking, out / part)
+        shutil.rmtree(unpacking, ignore_errors=True)
         tar.unlink()
 
 
