@@ -15,7 +15,8 @@
 #           zh; on many GPUs the same commands under torchrun or a SLURM array: docs/data.md),
 #         3 held-out parts: per language the first --num-dev cuts -> dev, the next --num-test
 #           -> test, the rest -> train; all languages combined -> emilia_cuts_{train,dev,test} (train
-#           interleaved: every stretch of it holds the languages in proportion),
+#           interleaved: every stretch of it holds the languages in proportion) with their
+#           extremes records (emilia_extremes_{train,dev,test}.json, for the trainer's start-up),
 #         4 statistics (cuts per language), 5 (on request) Lhotse Shar shards of train.
 # Japanese: espeak's ja voice reads kana; text with kanji makes it switch language, and such
 # cuts are reported (language_switch) and left out: most of Emilia's JA (docs/data.md).
@@ -103,6 +104,8 @@ if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
   "$python" -m valle.data.emilia interleave "$tok/emilia_cuts_train.jsonl.gz" "${parts_train[@]}"
   "${recipe[@]}" combine "$tok/emilia_cuts_dev.jsonl.gz" "${parts_dev[@]}"
   "${recipe[@]}" combine "$tok/emilia_cuts_test.jsonl.gz" "${parts_test[@]}"
+  # their extremes records (the trainer's start-up reads them instead of the manifest): one pass
+  "${recipe[@]}" extremes "$tok"/emilia_cuts_{train,dev,test}.jsonl.gz
 fi
 
 if [ "$stage" -le 4 ] && [ "$stop_stage" -ge 4 ]; then

@@ -91,6 +91,13 @@ def test_every_stage_runs(emilia):
     for p, cuts in parts.items():
         assert sorted(c["supervisions"][0]["custom"]["espeak_voice"] for c in cuts) == sorted(VOICES.values()), p
     assert (data / "shar" / "train").is_dir()  # stage 5
+    from lhotse import CutSet
+
+    from valle.data.extremes import Extremes
+
+    for p in ("train", "dev", "test"):  # the trainer's start-up reads these, not the manifests
+        record = Extremes.read(tok / f"emilia_extremes_{p}.json")
+        assert record.to_json() == Extremes.of(CutSet.from_file(tok / f"emilia_cuts_{p}.jsonl.gz")).to_json()
     assert "cuts per language: cmn 1, de 1, en-us 1, fr-fr 1, ja 1, ko 1" in log  # stage 4
 
 

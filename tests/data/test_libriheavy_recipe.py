@@ -112,6 +112,20 @@ def test_every_stage_runs_and_the_download_is_skipped(libriheavy):
         assert (tok / f"libriheavy_cuts_{part}.jsonl.gz").is_file(), part
     assert "libriheavy_cuts_train.jsonl.gz: 4 cuts" in log  # stage 4
 
+def test_train_gets_the_extremes_record_of_its_cuts_without_a_pass(libriheavy):
+    # merged from the parts' tokenizer records: the same record a pass over train would make
+    from lhotse import CutSet
+
+    from valle.data.extremes import Extremes
+
+    data, _, log = libriheavy
+    tok = data / "tokenized"
+    merged = Extremes.read(tok / "libriheavy_extremes_train.json")
+    assert merged.count == 4
+    assert merged.to_json() == Extremes.of(CutSet.from_file(tok / "libriheavy_cuts_train.jsonl.gz")).to_json()
+    assert "merge-extremes: 4 cuts from 1 record(s)" in log
+
+
 def test_shar_shards_read_back_with_the_slashed_cut_ids(libriheavy):
     # Libriheavy's cut ids are paths ("small/100/book/file_0"): HDF5 keys and Shar members hold them
     from lhotse import CutSet
