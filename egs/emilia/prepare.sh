@@ -12,7 +12,8 @@
 #           --min-dnsmos, rows whose mp3 is missing or unreadable, malformed rows and repeated
 #           ids are listed in data/manifests/emilia_skipped_{lang}.tsv,
 #         2 tokenize (bin/tokenizer.py, restartable; one run for the espeak languages, one for
-#           zh; on many GPUs the same commands under torchrun or a SLURM array: docs/data.md),
+#           zh; on many GPUs and nodes with --tokenizer-launcher "torchrun ...", or as the tasks
+#           of a SLURM array: docs/data.md),
 #         3 held-out parts: per language the first --num-dev cuts -> dev, the next --num-test
 #           -> test, the rest -> train; all languages combined -> emilia_cuts_{train,dev,test} (train
 #           interleaved: every stretch of it holds the languages in proportion) with their
@@ -37,8 +38,11 @@ device=auto
 num_jobs=4
 shar_shard_size=1000
 extra_tokenizer_flags=""
+# what runs bin/tokenizer.py in stage 2 (default: --python): e.g. "torchrun --nnodes 4
+# --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500" (docs/data.md)
+tokenizer_launcher=""
 
-options="stage stop_stage python data_dir corpus_dir languages min_dnsmos zh_text_extractor num_dev num_test encodec_checkpoint device num_jobs shar_shard_size extra_tokenizer_flags"
+options="stage stop_stage python data_dir corpus_dir languages min_dnsmos zh_text_extractor num_dev num_test encodec_checkpoint device num_jobs shar_shard_size extra_tokenizer_flags tokenizer_launcher"
 . "$(dirname "${BASH_SOURCE[0]}")/../parse_options.sh"
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -75,16 +79,21 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   if [ -n "$encodec_checkpoint" ]; then audio_flags=(--encodec-checkpoint "$encodec_checkpoint"); fi
   common=(--src-dir "$data_dir/manifests" --output-dir "$tok" --prefix emilia --suffix jsonl.gz
           --device "$device" --audio-extractor Encodec --num-jobs "$num_jobs")
-  log 2 "tokenize -> $tok, one shared symbol table (restartable)"
+  # One process by default; under --tokenizer-launcher "torchrun ..." (or as the tasks of a
+  # SLURM array, which bin/tokenizer.py recognises itself) the workers split each part
+  # (docs/data.md, "Tokenizing on many GPUs and nodes").
+  # shellcheck disable=SC2206  # the launcher is a command line
+  launch=(${tokenizer_launcher:-$python})
+  log 2 "tokenize -> $tok with ${launch[*]}, one shared symbol table (restartable)"
   # Each row's language ("en", "de", ...) picks its espeak voice; one run per text front end.
   if [ -n "${espeak_parts// /}" ]; then
     # shellcheck disable=SC2086  # extra_tokenizer_flags is a list of flags
-    "$python" "$root/bin/tokenizer.py" "${common[@]}" --dataset-parts "${espeak_parts# }" \
+    "${launch[@]}" "$root/bin/tokenizer.py" "${common[@]}" --dataset-parts "${espeak_parts# }" \
       --text-extractor espeak ${audio_flags[@]+"${audio_flags[@]}"} $extra_tokenizer_flags
   fi
   if [ -n "$zh_part" ]; then
     # shellcheck disable=SC2086
-    "$python" "$root/bin/tokenizer.py" "${common[@]}" --dataset-parts zh --language cmn \
+    "${launch[@]}" "$root/bin/tokenizer.py" "${common[@]}" --dataset-parts zh --language cmn \
       --text-extractor pypinyin ${audio_flags[@]+"${audio_flags[@]}"} $extra_tokenizer_flags
   fi
 fi

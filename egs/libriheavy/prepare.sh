@@ -11,8 +11,9 @@
 #           audio paths under --librilight-dir and the text chosen by --text (cased: the book's
 #           text, custom["texts"][0]; upper: the ASR text, texts[1]); cuts whose flac is missing
 #           are listed in data/manifests/libriheavy_skipped_{part}.tsv,
-#         2 tokenize (bin/tokenizer.py; restartable; on many GPUs run the same command under
-#           `torchrun --nnodes N --nproc-per-node G` or a SLURM array: docs/data.md),
+#         2 tokenize (bin/tokenizer.py; restartable; on many GPUs and nodes with
+#           --tokenizer-launcher "torchrun --nnodes N --nproc-per-node G ...", or as the tasks
+#           of a SLURM array: docs/data.md),
 #         3 combine the train parts (small, medium, large: disjoint) -> libriheavy_cuts_train
 #           and their extremes records -> libriheavy_extremes_train.json (the trainer's start-up
 #           reads it); dev -> libriheavy_cuts_dev (the trainer's --valid-part default) as tokenized,
@@ -34,8 +35,11 @@ device=auto
 num_jobs=4
 shar_shard_size=1000
 extra_tokenizer_flags=""
+# what runs bin/tokenizer.py in stage 2 (default: --python): e.g. "torchrun --nnodes 4
+# --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500" (docs/data.md)
+tokenizer_launcher=""
 
-options="stage stop_stage python data_dir manifests_dir librilight_dir dataset_parts text encodec_checkpoint device num_jobs shar_shard_size extra_tokenizer_flags"
+options="stage stop_stage python data_dir manifests_dir librilight_dir dataset_parts text encodec_checkpoint device num_jobs shar_shard_size extra_tokenizer_flags tokenizer_launcher"
 . "$(dirname "${BASH_SOURCE[0]}")/../parse_options.sh"
 
 if [ "$dataset_parts" = "all" ]; then
@@ -65,11 +69,14 @@ fi
 if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   audio_flags=()
   if [ -n "$encodec_checkpoint" ]; then audio_flags=(--encodec-checkpoint "$encodec_checkpoint"); fi
-  log 2 "tokenize -> $tok (restartable: finished parts and chunks are kept)"
-  # One process here; the same arguments under torchrun or a SLURM array split each part
-  # over many GPUs and nodes (docs/data.md, "Tokenizing on a cluster").
+  # One process by default; under --tokenizer-launcher "torchrun ..." (or as the tasks of a
+  # SLURM array, which bin/tokenizer.py recognises itself) the workers split each part
+  # (docs/data.md, "Tokenizing on many GPUs and nodes").
+  # shellcheck disable=SC2206  # the launcher is a command line
+  launch=(${tokenizer_launcher:-$python})
+  log 2 "tokenize -> $tok with ${launch[*]} (restartable: finished parts and chunks are kept)"
   # shellcheck disable=SC2086  # extra_tokenizer_flags is a list of flags
-  "$python" "$root/bin/tokenizer.py" --src-dir "$data_dir/manifests" --output-dir "$tok" \
+  "${launch[@]}" "$root/bin/tokenizer.py" --src-dir "$data_dir/manifests" --output-dir "$tok" \
     --prefix libriheavy --dataset-parts "$dataset_parts" --suffix jsonl.gz --device "$device" \
     --text-extractor espeak --language en-us --audio-extractor Encodec --num-jobs "$num_jobs" \
     ${audio_flags[@]+"${audio_flags[@]}"} $extra_tokenizer_flags

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -95,11 +96,18 @@ def libriheavy(tmp_path_factory):
     root = tmp_path_factory.mktemp("libriheavy")
     manifests, librilight, made = make_libriheavy(root)
     data = root / "data"
+    # stage 2 through --tokenizer-launcher (torchrun on a cluster): a stand-in that notes its call
+    launcher = root / "launcher"
+    launcher.write_text(f'#!/usr/bin/env bash\necho "$*" >> {root}/launched\nexec {sys.executable} "$@"\n')
+    launcher.chmod(0o755)
     rc, out, err = run_recipe("egs/libriheavy/prepare.sh", "--data-dir", str(data), "--manifests-dir",
                               str(manifests), "--librilight-dir", str(librilight), "--dataset-parts",
                               "small dev test_clean test_other", "--num-jobs", "0", "--stop-stage", "5",
-                              "--shar-shard-size", "2", "--extra-tokenizer-flags", TOKENIZER_FLAGS, timeout=400)
+                              "--shar-shard-size", "2", "--extra-tokenizer-flags", TOKENIZER_FLAGS,
+                              "--tokenizer-launcher", str(launcher), timeout=400)
     assert rc == 0, out[-3000:] + err[-3000:]
+    launched = (root / "launched").read_text().splitlines()
+    assert len(launched) == 1 and launched[0].split()[0].endswith("bin/tokenizer.py")
     return data, made, out + err
 
 
