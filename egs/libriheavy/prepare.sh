@@ -93,8 +93,13 @@ if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
   done
   if [ ${#train[@]} -gt 0 ]; then
     "${recipe[@]}" combine "$tok/libriheavy_cuts_train.jsonl.gz" "${train[@]}"
-    # the trainer's start-up reads train's extremes record: the parts' records merged (disjoint)
-    "${recipe[@]}" merge-extremes "$tok/libriheavy_extremes_train.json" "${extremes[@]}"
+    # the trainer's start-up reads train's extremes record: the parts' records merged (disjoint);
+    # parts tokenized before bin/tokenizer.py wrote records: one pass over train instead
+    if ls "${extremes[@]}" >/dev/null 2>&1; then
+      "${recipe[@]}" merge-extremes "$tok/libriheavy_extremes_train.json" "${extremes[@]}"
+    else
+      "${recipe[@]}" extremes "$tok/libriheavy_cuts_train.jsonl.gz"
+    fi
   fi
 fi
 
