@@ -265,3 +265,21 @@ def test_download_resumes_and_shows_only_whole_files(tmp_path, monkeypatch):
     n = len(calls)
     libriheavy.download(out, ["small", "dev"], audio)  # everything there: nothing fetched
     assert len(calls) == n
+
+
+def test_parts_without_extremes_records_get_trains_by_one_pass(libriheavy, tmp_path):
+    import shutil
+
+    from valle.data.extremes import Extremes
+
+    data, _, _ = libriheavy
+    copy = tmp_path / "data"
+    shutil.copytree(data / "tokenized", copy / "tokenized")
+    (copy / "tokenized" / "libriheavy_extremes_small.json").unlink()  # tokenized by an older version
+    (copy / "tokenized" / "libriheavy_extremes_train.json").unlink()
+    rc, out, err = run_recipe("egs/libriheavy/prepare.sh", "--data-dir", str(copy), "--dataset-parts", "small",
+                              "--stage", "3", "--stop-stage", "3")
+    assert rc == 0, out[-3000:] + err[-3000:]
+    assert "extremes: 4 cuts" in out
+    assert (Extremes.read(copy / "tokenized" / "libriheavy_extremes_train.json").to_json()
+            == Extremes.read(data / "tokenized" / "libriheavy_extremes_train.json").to_json())
