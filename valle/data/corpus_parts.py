@@ -7,7 +7,7 @@ does not come as lhotse recordings + supervisions (Libriheavy's cuts, Emilia's J
 
 All three appear together when the part is finished (written under temporary names, renamed
 at the end), so a part interrupted half-way leaves no manifest that looks complete.
-Streaming: only the ids of the recordings written so far are held in memory.
+Streaming: at most the ids of the recordings written so far are held in memory.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ class PartManifestWriter:
     """Recordings and supervisions of one part, plus the report of what was skipped.
     Use as a context manager: leaving it by an exception discards the half-written files."""
 
-    def __init__(self, out_dir: Path, prefix: str, part: str) -> None:
+    def __init__(self, out_dir: Path, prefix: str, part: str, shared_recordings: bool = True) -> None:
+        """``shared_recordings``: several utterances may come from one recording (Libriheavy),
+        so recording ids are remembered to write each once; False where every utterance is a
+        recording of its own (Emilia's mp3s), so memory does not grow with the part."""
         from valle.data.recipe import _Writer
 
         self.part = part
@@ -44,18 +47,20 @@ class PartManifestWriter:
         self.recordings = _Writer(self.paths["recordings"])
         self.supervisions = _Writer(self.paths["supervisions"])
         self.report = V.ValidationReport()
+        self.shared_recordings = shared_recordings
         self.recording_ids: set[str] = set()
+        self.num_recordings = 0
         self.num_supervisions = 0
         self.seconds = 0.0
 
-    def has_recording(self, recording_id: str) -> bool:
-        return recording_id in self.recording_ids
-
     def add_recording(self, recording: dict) -> None:
         """A recording dict (lhotse's ``Recording.to_dict()`` form), written the first time only."""
-        if recording["id"] not in self.recording_ids:
+        if self.shared_recordings:
+            if recording["id"] in self.recording_ids:
+                return
             self.recording_ids.add(recording["id"])
-            self.recordings.write(recording)
+        self.recordings.write(recording)
+        self.num_recordings += 1
 
     def add_supervision(self, supervision: dict) -> None:
         self.supervisions.write(supervision)
@@ -81,5 +86,5 @@ class PartManifestWriter:
     def summary(self) -> str:
         skipped = ", ".join(f"{reason} {n}" for reason, n in self.report.counts.items()) or "none"
         return (f"part {self.part}: {self.num_supervisions} utterances, {self.seconds / 3600:.3f} h, "
-                f"{len(self.recording_ids)} recordings -> {self.paths['supervisions'].parent}; "
+                f"{self.num_recordings} recordings -> {self.paths['supervisions'].parent}; "
                 f"skipped: {skipped}" + (f" (listed in {self.paths['skipped']})" if len(self.report) else ""))

@@ -19,7 +19,7 @@ emilia recipe reads it, into one folder per language under ``raw/``::
 writes, per language (the part is its lower-case code), ``emilia_{recordings,supervisions}_{lang}
 .jsonl.gz`` (the supervision keeps the row's language, speaker and ``custom["dnsmos"]``) and
 ``emilia_skipped_{lang}.tsv``: rows whose mp3 is missing or unreadable, rows below
---min-dnsmos, malformed rows and repeated ids, each with its reason. Unlike lhotse's recipe,
+--min-dnsmos, malformed rows and ids repeated in a file, each with its reason. Unlike lhotse's recipe,
 which drops missing files without a word and keeps every cut in memory, rows stream through
 in windows (the mp3 headers are read by --num-jobs threads).
 """
@@ -113,13 +113,19 @@ def prepare_language(corpus_dir: Path, output_dir: Path, lang: str, min_dnsmos: 
     if not lang_dir.is_dir():
         raise ManifestError(f"{lang_dir}: no such directory (--corpus-dir must hold raw/{lang.upper()})")
     stream = rows(lang_dir)
+    # Repeated ids are looked for within each JSONL file: Emilia's ids carry their file's name
+    # (EN_B00000_S00000_W000000 is in EN_B00000.jsonl), so memory stays that of one file.
     seen: set[str] = set()
-    with PartManifestWriter(output_dir, PREFIX, lang) as writer, \
+    seen_file = None
+    with PartManifestWriter(output_dir, PREFIX, lang, shared_recordings=False) as writer, \
             ThreadPoolExecutor(max(1, num_jobs)) as pool, \
             tqdm(desc=f"emilia {lang}", unit="row", disable=None) as bar:
         while window := list(islice(stream, WINDOW)):
             usable = []
             for where, row in window:
+                if where.split(":")[0] != seen_file:
+                    seen_file = where.split(":")[0]
+                    seen.clear()
                 row_id = str(row.get("id", f"<{where}>")) if isinstance(row, dict) else f"<{where}>"
                 bad = row_problem(row, min_dnsmos)
                 if bad is None and row_id in seen:
