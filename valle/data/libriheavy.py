@@ -26,6 +26,7 @@ import logging
 import sys
 from pathlib import Path
 
+from valle.data import validation as V
 from valle.data.corpus_parts import MISSING_AUDIO, PartManifestWriter
 from valle.data.manifests import ManifestError, read_jsonl
 
@@ -103,7 +104,7 @@ def prepare_part(manifests_dir: Path, librilight_dir: Path, output_dir: Path, pa
             try:
                 rec = cut["recording"]
                 if not cut.get("supervisions"):
-                    writer.skip(cut["id"], "no_supervision", f"{src.name}: a cut without a supervision")
+                    writer.skip(cut["id"], V.NO_SUPERVISION, f"{src.name}: a cut without a supervision")
                     continue
                 if rec["id"] not in audio_ok:
                     rec = relocated_recording(rec, librilight_dir)
@@ -119,7 +120,7 @@ def prepare_part(manifests_dir: Path, librilight_dir: Path, output_dir: Path, pa
                 writer.add_supervision(supervision_of(cut, text))
             except (KeyError, TypeError, ValueError) as e:
                 cut_id = cut.get("id", "<no id>") if isinstance(cut, dict) else "<not an object>"
-                writer.skip(str(cut_id), "bad_manifest_item", f"{src.name}: {type(e).__name__}: {e}"[:300])
+                writer.skip(str(cut_id), V.BAD_MANIFEST_ITEM, f"{src.name}: {type(e).__name__}: {e}"[:300])
     print(f"libriheavy prepare: {writer.summary()}")
     return writer
 
