@@ -283,3 +283,22 @@ def test_parts_without_extremes_records_get_trains_by_one_pass(libriheavy, tmp_p
     assert "extremes: 4 cuts" in out
     assert (Extremes.read(copy / "tokenized" / "libriheavy_extremes_train.json").to_json()
             == Extremes.read(data / "tokenized" / "libriheavy_extremes_train.json").to_json())
+
+
+def test_malformed_cuts_are_listed_with_their_reason(tmp_path):
+    from valle.data.libriheavy import main
+    from valle.data.validation import ValidationReport
+
+    manifests, librilight, made = make_libriheavy(tmp_path)
+    good = made["small"][0]
+    no_sup = dict(good, id="small/100/x/no_sup", supervisions=[])
+    no_rec = {k: v for k, v in dict(good, id="small/100/x/no_rec").items() if k != "recording"}
+    _write_jsonl_gz(manifests / "libriheavy_cuts_dev.jsonl.gz", [good, no_sup, no_rec])
+    out = tmp_path / "manifests"
+    assert main(["prepare", "--manifests-dir", str(manifests), "--librilight-dir", str(librilight),
+                 "--output-dir", str(out), "--parts", "dev"]) == 0
+    assert [s["id"] for s in _read(out / "libriheavy_supervisions_dev.jsonl.gz")] == [good["id"]]
+    report = ValidationReport.read(out / "libriheavy_skipped_dev.tsv")
+    assert [(e.cut_id, e.reason) for e in report.entries] == [
+        ("small/100/x/no_sup", "no_supervision"), ("small/100/x/no_rec", "bad_manifest_item")]
+    assert "KeyError" in report.entries[1].detail
