@@ -72,12 +72,18 @@ def _read(out: Path) -> dict:
         "text_stats": (out / "tok_text_stats.json").read_text(),
         "stats": (out / f"tok_stats_{PART}.json").read_text(),
         "bad": (out / f"tok_bad_cuts_{PART}.tsv").read_text(),
+        "extremes": _extremes(out / f"tok_extremes_{PART}.json", out),
     }
+
+
+def _extremes(path: Path, out: Path) -> str:
+    """The extremes record, its cuts' storage paths made relative to the output dir."""
+    return path.read_text().replace(str(out), "<out>")
 
 
 def _assert_same(a: dict, b: dict) -> None:
     assert a["ids"] == b["ids"] and len(set(a["ids"])) == len(a["ids"])
-    for key in ("text", "symbols", "text_stats", "stats", "bad"):
+    for key in ("text", "symbols", "text_stats", "stats", "bad", "extremes"):
         assert a[key] == b[key], key
     for cid in a["ids"]:  # same chunks, same batches: the codes are equal, not only close
         assert np.array_equal(a["codes"][cid], b["codes"][cid]), cid
@@ -188,7 +194,11 @@ def test_torchrun_two_workers_read_exactly_like_one_process(reference, tmp_path)
     assert [c.id for c in got] == [c.id for c in want] == _read(ref_out)["ids"]
     for a, b in zip(got, want):
         assert np.array_equal(a.load_features(), b.load_features())
-    assert not (shar / PART / ".chunks").exists()
+    assert sorted(x.name for x in shar.iterdir()) == sorted([PART, f"tok_extremes_{PART}.json"])  # no staging left
+    # the trainer's start-up reads the extremes record from a Shar dir too, merged from every chunk
+    extremes = f"tok_extremes_{PART}.json"
+    assert _extremes(shar / extremes, out) == _extremes(ref_shar / extremes, ref_out) == \
+        _extremes(ref_out / extremes, ref_out)
 
 
 @pytest.mark.timeout(300)

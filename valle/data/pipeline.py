@@ -10,8 +10,9 @@ Per part, the cuts (one per supervision) are processed in chunks of ``chunk_size
    finished chunks, so a crash loses at most one chunk.
 
 When every chunk is done the chunk files are joined into ``{prefix}_cuts_{part}.{suffix}``,
-the bad-item report and statistics are written, and the symbol table and corpus text
-statistics shared by parallel jobs are merged under a file lock.
+the bad-item report, statistics and extremes record (``valle.data.extremes``: what the
+trainer's start-up reads instead of a pass over the manifest) are written, and the symbol
+table and corpus text statistics shared by parallel jobs are merged under a file lock.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from valle.data import validation as V
+from valle.data.extremes import Extremes, extremes_path
 from valle.data.progress import Progress
 from valle.data.sharding import Shard
 
@@ -175,6 +177,16 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def chunk_extremes(meta: dict, chunk_cuts: Path) -> Extremes:
+    """The chunk's extremes record; a chunk finished by an older version (no "extremes" in
+    its meta) is read once more from its cuts file, metadata only."""
+    if "extremes" in meta:
+        return Extremes.from_json(meta["extremes"])
+    from lhotse import CutSet
+
+    return Extremes.of(CutSet.from_jsonl_lazy(chunk_cuts))
+
+
 # ----------------------------------------------------------------------------- audio loading
 class AudioLoadDataset(torch.utils.data.Dataset):
     """Item i: (i, mono float waveform at the codec's rate) or (i, None, reason, detail).
@@ -234,6 +246,7 @@ class PartTokenizer:
             "cuts": o / f"{p}_cuts_{part}.{s}",
             "report": o / f"{p}_bad_cuts_{part}.tsv",
             "stats": o / f"{p}_stats_{part}.json",
+            "extremes": extremes_path(o, p, part),
             "chunks": o / f".{p}_chunks_{part}",
             "storage": o / f"{p}_{self.codec.name}_{part}",
             "lock": o / f".{p}_join_{part}",  # workers agree on the plan and on who joins under it
@@ -340,7 +353,8 @@ class PartTokenizer:
         CutSet.from_cuts(encoded).to_file(tmp)
         os.replace(tmp, chunk_cuts)
         meta = {"checked": report.checked, "bad": [[e.cut_id, e.reason, e.detail] for e in report.entries],
-                "symbols": sorted(seen), "stats": stats.to_json()}
+                "symbols": sorted(seen), "stats": stats.to_json(),
+                "extremes": Extremes.of(encoded).to_json()}
         if self.opts.shar_dir is not None:
             meta["shar_shards"] = self.write_shar_chunk(shar_staging(paths["shar"]), index, encoded)
         # The meta file is the chunk's "done" marker: written last.
@@ -415,15 +429,16 @@ class PartTokenizer:
             return self.join(part, n_chunks, load_report)
 
     def join(self, part: str, n_chunks: int, load_report: V.ValidationReport) -> tuple[V.ValidationReport, Stats]:
-        """Every chunk is done: the report (manifest problems first), statistics, Shar shards
-        numbered in chunk order, the shared symbol table and text statistics, and last the
+        """Every chunk is done: the report (manifest problems first), statistics, the extremes
+        record (every chunk's, merged), Shar shards numbered in chunk order (and the extremes
+        record in --shar-dir, beside the part's shard dir), the shared symbol table and text statistics, and last the
         cuts file (the "part done" marker). Chunk order alone decides the output, so it is the
         same whichever worker joins and whatever order the chunks finished in."""
         from lhotse import CutSet
 
         paths = self.paths(part)
         metas = self._finished_metas(paths, range(n_chunks))
-        report, stats, seen = V.ValidationReport(), Stats(), set()
+        report, stats, seen, extremes = V.ValidationReport(), Stats(), set(), Extremes()
         report.extend(load_report)
         for i in range(n_chunks):
             m = metas[i]
@@ -432,8 +447,10 @@ class PartTokenizer:
                 report.add(cut_id, reason, detail)
             seen.update(m["symbols"])
             stats.merge(Stats.from_json(m["stats"]))
+            extremes.merge(chunk_extremes(m, paths["chunks"] / f"{i:06d}.{self.opts.suffix}"))
         report.write(paths["report"])
         _atomic_write(paths["stats"], json.dumps(stats.to_json(), indent=1, ensure_ascii=False))
+        extremes.write(paths["extremes"])
         if self.fixed_table is None:
             added = merge_symbols(self.opts.output_dir / TEXT_TOKENS_FILE, seen)
             logger.info("part %s: %d new symbols in %s", part, added, TEXT_TOKENS_FILE)
@@ -441,6 +458,8 @@ class PartTokenizer:
         if "shar" in paths:
             join_shar_chunks(shar_staging(paths["shar"]), paths["shar"],
                              [metas[i].get("shar_shards", 0) for i in range(n_chunks)])
+            # beside the part's shards, for the same reason as the staging dir
+            extremes.write(extremes_path(self.opts.shar_dir, self.opts.prefix, part))
         tmp = paths["cuts"].with_name(".tmp." + paths["cuts"].name)
         with CutSet.open_writer(tmp) as writer:
             for i in range(n_chunks):
@@ -470,8 +489,10 @@ class PartTokenizer:
 
 
 def shar_staging(shar_part_dir: Path) -> Path:
-    """Where workers leave each chunk's Shar shards until the join numbers them."""
-    return shar_part_dir / ".chunks"
+    """Where workers leave each chunk's Shar shards until the join numbers them: beside the
+    part's Shar dir, not in it (lhotse's ``from_shar(in_dir=...)`` takes every entry there
+    for a field)."""
+    return shar_part_dir.with_name(f".{shar_part_dir.name}_chunks")
 
 
 def streaming_plan(cuts, chunk_size: int) -> dict:
@@ -493,6 +514,7 @@ def join_shar_chunks(staging: Path, shar_dir: Path, shards_per_chunk: list[int])
     """Move each chunk's Shar shards to ``shar_dir``, numbered in chunk order (a rename each,
     no data read). Idempotent: a join that died half-way is finished by the next. Returns
     the number of shards."""
+    shar_dir.mkdir(parents=True, exist_ok=True)
     n = 0
     for chunk, count in enumerate(shards_per_chunk):
         for j in range(count):
