@@ -124,6 +124,16 @@ def test_worker_identity_from_flags_torchrun_and_slurm_arrays():
             resolve_shard(*bad, env=env)
 
 
+def test_each_worker_encodes_on_its_local_gpu(tokenizer_cli):
+    import torch
+
+    pick = tokenizer_cli.worker_device
+    assert pick(torch.device("cuda"), "auto", 3) == torch.device("cuda", 3)
+    assert pick(torch.device("cuda"), "cuda", 1) == torch.device("cuda", 1)
+    assert pick(torch.device("cuda", 2), "cuda:2", 1) == torch.device("cuda", 2)  # asked for by name
+    assert pick(torch.device("cpu"), "auto", 1) == torch.device("cpu")
+
+
 def test_the_plan_streams_ids_without_keeping_them(reference):
     from valle.data import validation as V
     from valle.data.manifests import load_cuts
@@ -262,3 +272,18 @@ def test_segments_of_a_long_recording_read_only_their_frames(reference, tmp_path
     assert tokenizer_cli.main(_argv(man, tmp_path / "out")) == 0
     segments_frames = 4 * int(0.9 * 16000)
     assert segments_frames <= read_frames["book.flac"] <= segments_frames + 4 * 160, read_frames
+
+
+def test_a_segment_of_a_long_mp3_is_read_by_seeking(tmp_path, monkeypatch):
+    """Emilia ships mp3: lhotse reads a segment through libsndfile (1.1+), which seeks by
+    frame headers instead of decoding everything before the segment."""
+    if "MP3" not in sf.available_formats():
+        pytest.skip("this libsndfile has no mp3")
+    sf.write(tmp_path / "long.mp3", tone(60.0, 16000, 7), 16000, format="MP3")
+    rec = Recording.from_file(tmp_path / "long.mp3")
+    read_frames = []
+    real_read = sf.SoundFile.read
+    monkeypatch.setattr(sf.SoundFile, "read", lambda self, frames=-1, *a, **k: read_frames.append(
+        len(out := real_read(self, frames, *a, **k))) or out)
+    audio = rec.to_cut().truncate(offset=50.0, duration=1.0).load_audio()
+    assert audio.shape == (1, 16000) and sum(read_frames) == 16000

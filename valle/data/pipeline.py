@@ -376,13 +376,12 @@ class PartTokenizer:
         if not plan_path.is_file():
             _atomic_write(plan_path, json.dumps(plan))
 
-    def _finished_metas(self, paths: dict[str, Path], chunks) -> dict[int, dict]:
-        metas = {}
-        for i in chunks:
-            meta_path = paths["chunks"] / f"{i:06d}.json"
-            if meta_path.is_file():
-                metas[i] = json.loads(meta_path.read_text(encoding="utf-8"))
-        return metas
+    @staticmethod
+    def _meta_path(paths: dict[str, Path], index: int) -> Path:
+        return paths["chunks"] / f"{index:06d}.json"
+
+    def _read_meta(self, paths: dict[str, Path], index: int) -> dict:
+        return json.loads(self._meta_path(paths, index).read_text(encoding="utf-8"))
 
     def run(self, part: str, cuts, load_report: V.ValidationReport,
             shard: Shard | None = None) -> tuple[V.ValidationReport, Stats] | None:
@@ -401,27 +400,29 @@ class PartTokenizer:
                 return None
             self._check_plan(part, paths, plan)
         mine = [i for i in range(n_chunks) if shard.owns(i)]
-        metas = self._finished_metas(paths, mine)
-        if metas:
-            logger.info("part %s: resuming, %d of %d chunks already done", part, len(metas), len(mine))
+        # chunk numbers only: the metas (with their extremes records) are read one at a time
+        done = {i for i in mine if self._meta_path(paths, i).is_file()}
+        if done:
+            logger.info("part %s: resuming, %d of %d chunks already done", part, len(done), len(mine))
         my_cuts = sum(min(size, plan["num_cuts"] - i * size) for i in mine)
         progress = Progress(my_cuts, f"tokenize {part}" + ("" if shard.alone else f" [{shard.index}/{shard.count}]"),
                             logger, self.opts.log_interval,
-                            done=sum(min(size, plan["num_cuts"] - i * size) for i in metas))
+                            done=sum(min(size, plan["num_cuts"] - i * size) for i in done))
         stream = iter(cuts)  # one chunk of cuts in memory at a time
         try:
             for i in range(n_chunks):
-                if i in metas or not shard.owns(i):
+                if i in done or not shard.owns(i):
                     for _ in islice(stream, size):  # another worker's chunk, or done: skip it
                         pass
                     continue
-                metas[i] = self.run_chunk(i, list(islice(stream, size)), paths, progress)
+                self.run_chunk(i, list(islice(stream, size)), paths, progress)
+                done.add(i)
         finally:
             progress.close()
         with _lock(paths["lock"]):
             if paths["cuts"].is_file():
                 return None
-            missing = [i for i in range(n_chunks) if not (paths["chunks"] / f"{i:06d}.json").is_file()]
+            missing = [i for i in range(n_chunks) if not self._meta_path(paths, i).is_file()]
             if missing:
                 logger.info("part %s: %s done; %d of %d chunks still with other workers (the last "
                             "to finish joins the part)", part, shard.describe(), len(missing), n_chunks)
@@ -431,17 +432,19 @@ class PartTokenizer:
     def join(self, part: str, n_chunks: int, load_report: V.ValidationReport) -> tuple[V.ValidationReport, Stats]:
         """Every chunk is done: the report (manifest problems first), statistics, the extremes
         record (every chunk's, merged), Shar shards numbered in chunk order (and the extremes
-        record in --shar-dir, beside the part's shard dir), the shared symbol table and text statistics, and last the
-        cuts file (the "part done" marker). Chunk order alone decides the output, so it is the
-        same whichever worker joins and whatever order the chunks finished in."""
+        record in --shar-dir, beside the part's shard dir), the shared symbol table and text
+        statistics, and last the cuts file (the "part done" marker). Chunk order alone decides
+        the output: the same whichever worker joins and whatever order the chunks finished in.
+        Chunk metas are read one at a time, so memory does not grow with the part."""
         from lhotse import CutSet
 
         paths = self.paths(part)
-        metas = self._finished_metas(paths, range(n_chunks))
         report, stats, seen, extremes = V.ValidationReport(), Stats(), set(), Extremes()
+        shar_shards: list[int] = []
         report.extend(load_report)
         for i in range(n_chunks):
-            m = metas[i]
+            m = self._read_meta(paths, i)
+            shar_shards.append(m.get("shar_shards", 0))
             report.checked += m["checked"]
             for cut_id, reason, detail in m["bad"]:
                 report.add(cut_id, reason, detail)
@@ -456,8 +459,7 @@ class PartTokenizer:
             logger.info("part %s: %d new symbols in %s", part, added, TEXT_TOKENS_FILE)
         merge_text_stats(text_stats_path(self.opts.output_dir, self.opts.prefix), part, stats)
         if "shar" in paths:
-            join_shar_chunks(shar_staging(paths["shar"]), paths["shar"],
-                             [metas[i].get("shar_shards", 0) for i in range(n_chunks)])
+            join_shar_chunks(shar_staging(paths["shar"]), paths["shar"], shar_shards)
             # beside the part's shards, for the same reason as the staging dir
             extremes.write(extremes_path(self.opts.shar_dir, self.opts.prefix, part))
         tmp = paths["cuts"].with_name(".tmp." + paths["cuts"].name)
