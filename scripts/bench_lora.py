@@ -60,7 +60,7 @@ def build(size: str, rank: int, device: torch.device):
     args.nhead = heads
     model = get_model(args).to(device)
     if rank:
-        apply_lora(model, LoraConfig(rank=rank, alpha=2.0 * rank))
+        apply_lora(model, LoraConfig(lora_rank=rank, lora_alpha=2.0 * rank))
     named = [(n, p) for n, p in model.stage_parameters(0) if p.requires_grad]
     optimizer = build_optimizer("AdamW", named, 1e-4)
     ctx = DistContext(device=device)

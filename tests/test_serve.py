@@ -52,7 +52,7 @@ def _save_checkpoint(model, config: dict, path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """An exp dir with a tiny checkpoint (as tests/models/test_infer_cli.py makes it), a VALL-E X
+    """An exp dir with a tiny checkpoint (as tests/infer/test_cli.py makes it), a VALL-E X
     one, a file that is no checkpoint, and a prompt dir with one example prompt and its transcript."""
     from valle.data.symbols import SymbolTable
 
@@ -438,7 +438,7 @@ def test_lora_adapters_in_the_exp_dir_are_served_on_their_base(served, tmp_path)
     config = dict(model.hparams, text_tokens=str(served["tmp"] / "unique_text_tokens.k2symbols"))
     base = tmp_path / "base" / "best-valid-loss.pt"
     _save_checkpoint(model, config, base)
-    lora = LoraConfig(rank=2)
+    lora = LoraConfig(lora_rank=2)
     sha = base_fingerprint(model.state_dict())
     apply_lora(model, lora)
     exp = tmp_path / "exp-lora"

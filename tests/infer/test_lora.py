@@ -36,7 +36,7 @@ def files(tmp_path_factory):
     base = tmp / "base.pt"
     torch.save(make_payload(model=model.state_dict(), step=1, epoch=1, train_stage=0,
                             config=config), base)
-    lora = LoraConfig(rank=4, alpha=8.0, targets=("attn", "ffn", "embed", "head"))
+    lora = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_targets=("attn", "ffn", "embed", "head"))
     sha = base_fingerprint(model.state_dict())
     apply_lora(model, lora)
     g = torch.Generator().manual_seed(5)

@@ -22,7 +22,7 @@ from valle.models.lora import (
     trainable,
 )
 
-ALL_TARGETS = LoraConfig(rank=4, alpha=8.0, targets=("attn", "ffn", "embed", "head"))
+ALL_TARGETS = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_targets=("attn", "ffn", "embed", "head"))
 
 
 def _randomise_adapters(model: torch.nn.Module, seed: int = 1) -> None:
@@ -47,7 +47,7 @@ def test_fresh_adapters_compute_what_the_base_computes(name):
 def test_only_adapters_train_and_base_keys_are_unchanged():
     model = tiny_model("vall-f", 1, tie_ar_head=False)
     keys = set(model.state_dict())
-    plan = apply_lora(model, LoraConfig(rank=2, targets=("attn", "ffn")))
+    plan = apply_lora(model, LoraConfig(lora_rank=2, lora_targets=("attn", "ffn")))
     assert set(base_state_dict(model)) == keys
     named = trainable(model.stage_parameters(0))
     assert named and all(n.endswith((".lora_A", ".lora_B")) for n, _ in named)
@@ -62,7 +62,7 @@ def test_only_adapters_train_and_base_keys_are_unchanged():
 
 def test_a_training_step_changes_adapters_only_and_the_base_stays_bit_identical():
     model = tiny_model("valle", 1, tie_ar_head=False, dropout=0.1)
-    apply_lora(model, LoraConfig(rank=4, dropout=0.1, targets=("attn", "ffn", "embed")))
+    apply_lora(model, LoraConfig(lora_rank=4, lora_dropout=0.1, lora_targets=("attn", "ffn", "embed")))
     base_before = base_fingerprint(model.state_dict())
     adapters_before = {k: v.clone() for k, v in lora_state_dict(model).items()}
     opt = torch.optim.AdamW([p for _, p in trainable(model.stage_parameters(0))], lr=1e-2)
@@ -79,7 +79,7 @@ def test_a_training_step_changes_adapters_only_and_the_base_stays_bit_identical(
 
 def test_tied_ar_head_table_is_not_adapted():
     model = tiny_model("valle", 1, tie_ar_head=True)
-    plan = apply_lora(model, LoraConfig(rank=2, targets=("embed",)))
+    plan = apply_lora(model, LoraConfig(lora_rank=2, lora_targets=("embed",)))
     assert "ar_audio_embedding" in plan.skipped
     assert "ar_text_embedding" in plan.wrapped
 
@@ -102,19 +102,19 @@ def test_merged_model_equals_the_unmerged_one(name):
 
 def test_adapters_round_trip_and_a_wrong_rank_is_named():
     model = tiny_model("valle", 1, tie_ar_head=False)
-    apply_lora(model, LoraConfig(rank=4))
+    apply_lora(model, LoraConfig(lora_rank=4))
     _randomise_adapters(model)
     saved = lora_state_dict(model)
     other = tiny_model("valle", 1, tie_ar_head=False)
-    apply_lora(other, LoraConfig(rank=4))
+    apply_lora(other, LoraConfig(lora_rank=4))
     load_lora_state_dict(other, saved, "adapters.pt")
     assert all(torch.equal(v, lora_state_dict(other)[k]) for k, v in saved.items())
     wrong = tiny_model("valle", 1, tie_ar_head=False)
-    apply_lora(wrong, LoraConfig(rank=2))
+    apply_lora(wrong, LoraConfig(lora_rank=2))
     with pytest.raises(LoraError, match="adapters.pt.*lora-rank"):
         load_lora_state_dict(wrong, saved, "adapters.pt")
     fewer = tiny_model("valle", 1, tie_ar_head=False)
-    apply_lora(fewer, LoraConfig(rank=4, targets=("attn",)))
+    apply_lora(fewer, LoraConfig(lora_rank=4, lora_targets=("attn",)))
     with pytest.raises(LoraError, match="adapters.pt.*unexpected"):
         load_lora_state_dict(fewer, saved, "adapters.pt")
 
@@ -135,11 +135,11 @@ def test_greedy_decoding_equal_merged_and_unmerged():
 
 def test_config_checks_name_the_flag():
     with pytest.raises(ValueError, match="--lora-targets"):
-        LoraConfig(rank=2, targets=("attn", "conv")).check()
+        LoraConfig(lora_rank=2, lora_targets=("attn", "conv")).check()
     with pytest.raises(ValueError, match="--lora-dropout"):
-        LoraConfig(rank=2, dropout=1.0).check()
+        LoraConfig(lora_rank=2, lora_dropout=1.0).check()
     with pytest.raises(LoraError, match="already"):
         model = tiny_model()
-        apply_lora(model, LoraConfig(rank=2))
-        apply_lora(model, LoraConfig(rank=2))
+        apply_lora(model, LoraConfig(lora_rank=2))
+        apply_lora(model, LoraConfig(lora_rank=2))
     assert isinstance(LoraLinear, type)

@@ -53,8 +53,8 @@ def test_only_adapters_train_and_the_checkpoint_holds_them_tied_to_the_base(tmp_
     saved = load_checkpoint(tmp_path / "exp" / "epoch-1.pt")
     assert set(saved["model"]) == set(adapters) and set(saved["model_avg"]) == set(adapters)
     assert saved["lora"]["base_sha256"] == base_fingerprint(base_state)
-    assert saved["lora"]["config"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0,
-                                       "targets": ["attn", "ffn"]}
+    assert saved["lora"]["config"] == {"lora_rank": 4, "lora_alpha": 8.0, "lora_dropout": 0.0,
+                                       "lora_targets": ["attn", "ffn"]}
     # Optimizer state for the adapters alone.
     assert len(saved["optimizer"]["state"]) == len(adapters)
     adapter_bytes = sum(v.numel() * v.element_size() for v in saved["model"].values())

@@ -1,6 +1,6 @@
 """LoRA: low-rank adapters on a frozen pretrained model (fine-tuning a new voice or corpus).
 
-``apply_lora(model, LoraConfig(rank=16))`` wraps the chosen layers in place: each keeps its
+``apply_lora(model, LoraConfig(lora_rank=16))`` wraps the chosen layers in place: each keeps its
 own ``weight``/``bias`` parameters under the same names (so the base's state-dict keys do not
 change and a base checkpoint still loads into it) and gains ``lora_A``/``lora_B``, whose
 product, scaled by ``alpha / rank``, is added to the layer's weight. ``lora_B`` (for
@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from valle.config_flags import flag
+
 from .convert import CheckpointError
 from .transformer import MultiHeadAttention, TransformerLayer
 
@@ -42,50 +44,62 @@ class LoraError(CheckpointError):
     error: the trainer exits 2 with it, bin/infer.py prints it)."""
 
 
-@dataclass(frozen=True)
-class LoraConfig:
-    """The adapters' shape. rank 0: no LoRA (full fine-tuning or training from scratch)."""
-
-    rank: int = 0
-    alpha: float = 16.0  # the update is scaled by alpha / rank
-    dropout: float = 0.0  # on the adapter's input only (the base path has its own dropout)
-    targets: tuple[str, ...] = ("attn", "ffn")
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["targets"] = list(self.targets)
-        return out
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> LoraConfig:
-        return cls(rank=int(values["rank"]), alpha=float(values["alpha"]),
-                   dropout=float(values["dropout"]), targets=tuple(values["targets"]))
-
-    def check(self) -> None:
-        """Raise ValueError naming the flag that is out of range."""
-        if self.rank < 0:
-            raise ValueError(f"--lora-rank: must be >= 0, got {self.rank}")
-        if self.enabled and self.alpha <= 0:
-            raise ValueError(f"--lora-alpha: must be > 0, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"--lora-dropout: must be in [0, 1), got {self.dropout}")
-        unknown = [t for t in self.targets if t not in LORA_TARGETS]
-        if unknown or (self.enabled and not self.targets):
-            raise ValueError(f"--lora-targets: {','.join(unknown) or 'empty'}; choose from "
-                             f"{','.join(LORA_TARGETS)}")
+LORA_GROUP = "LoRA fine-tuning"
 
 
 def parse_targets(text: str) -> tuple[str, ...]:
     """``attn,ffn`` -> ("attn", "ffn") (the --lora-targets flag)."""
     return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The adapters' shape, and their flags (docs/training.md, "Fine-tuning with LoRA").
+    lora_rank 0: no LoRA (full fine-tuning or training from scratch)."""
+
+    lora_rank: int = flag(0, "train rank-R adapters on the frozen --start-from weights; "
+                          "checkpoints hold the adapters alone (0: off, every parameter trains)",
+                          group=LORA_GROUP)
+    lora_alpha: float = flag(16.0, "the adapters' update is scaled by alpha / rank",
+                             group=LORA_GROUP)
+    # on the adapter's input only (the base path has its own dropout)
+    lora_dropout: float = flag(0.0, "dropout on the adapters' input", group=LORA_GROUP)
+    lora_targets: tuple[str, ...] = flag(
+        ("attn", "ffn"), f"layers given adapters, comma separated, of {','.join(LORA_TARGETS)} "
+        "(attn: attention projections, ffn: feed-forward, embed: embeddings, head: the AR "
+        "output layer)", group=LORA_GROUP, parse=parse_targets, cli_default="attn,ffn")
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / self.lora_rank
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["lora_targets"] = list(self.lora_targets)
+        return out
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> LoraConfig:
+        return cls(lora_rank=int(values["lora_rank"]), lora_alpha=float(values["lora_alpha"]),
+                   lora_dropout=float(values["lora_dropout"]),
+                   lora_targets=tuple(values["lora_targets"]))
+
+    def check(self) -> None:
+        """Raise ValueError naming the flag that is out of range."""
+        if self.lora_rank < 0:
+            raise ValueError(f"--lora-rank: must be >= 0, got {self.lora_rank}")
+        if self.enabled and self.lora_alpha <= 0:
+            raise ValueError(f"--lora-alpha: must be > 0, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"--lora-dropout: must be in [0, 1), got {self.lora_dropout}")
+        unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if unknown or (self.enabled and not self.lora_targets):
+            raise ValueError(f"--lora-targets: {','.join(unknown) or 'empty'}; choose from "
+                             f"{','.join(LORA_TARGETS)}")
 
 
 class LoraLinear(nn.Linear):
@@ -182,7 +196,7 @@ def _target_of(name: str, module: nn.Module, parent: nn.Module) -> str | None:
 
 
 def plan_lora(model: nn.Module, config: LoraConfig) -> LoraPlan:
-    """The layers ``config.targets`` select, and those a target would select but cannot take."""
+    """The layers ``config.lora_targets`` select, and those a target would select but cannot take."""
     modules = dict(model.named_modules())
     plan = LoraPlan(wrapped=[], skipped={})
     for name, module in modules.items():
@@ -190,7 +204,7 @@ def plan_lora(model: nn.Module, config: LoraConfig) -> LoraPlan:
             continue
         parent = modules[name.rsplit(".", 1)[0] if "." in name else ""]
         target = _target_of(name, module, parent)
-        if target is None or target not in config.targets:
+        if target is None or target not in config.lora_targets:
             continue
         if isinstance(module, ADAPTER_TYPES):
             raise LoraError(f"{name} already has LoRA adapters")
@@ -211,7 +225,7 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> LoraPlan:
         raise ValueError("apply_lora: rank 0 means no LoRA")
     plan = plan_lora(model, config)
     if not plan.wrapped:
-        raise LoraError(f"--lora-targets {','.join(config.targets)} selects no layer of this model")
+        raise LoraError(f"--lora-targets {','.join(config.lora_targets)} selects no layer of this model")
     for p in model.parameters():
         p.requires_grad_(False)
     for name in plan.wrapped:
@@ -219,9 +233,9 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> LoraPlan:
         parent = model.get_submodule(parent_name)
         base = getattr(parent, child)
         if isinstance(base, nn.Embedding):
-            wrapped: nn.Module = LoraEmbedding(base, config.rank, config.scaling)
+            wrapped: nn.Module = LoraEmbedding(base, config.lora_rank, config.scaling)
         else:
-            wrapped = LoraLinear(base, config.rank, config.scaling, config.dropout)
+            wrapped = LoraLinear(base, config.lora_rank, config.scaling, config.lora_dropout)
         wrapped.train(base.training)
         setattr(parent, child, wrapped)
     return plan

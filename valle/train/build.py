@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 from typing import Any
 
@@ -147,7 +147,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
         architecture = {"config": hparams, "model": {}}
         base_table = (base_payload.get("config") or {}).get("text_tokens") or hparams.get("text_tokens")
         del base_payload
-    model = get_model(model_hparams(cfg, architecture)).to(ctx.device)
+    model = get_model(architecture_hparams(cfg, architecture)).to(ctx.device)
     lora = None
     if cfg.lora.enabled:
         lora = attach_lora(cfg.lora, cfg.start_from, model, initial_weights)
@@ -156,7 +156,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
         check_lora_resume(lora, payload, f"the checkpoint resumed from in {cfg.exp_dir}")
     # Frozen parameters (a LoRA base) hold no optimizer state and join no gradient bucket.
     named = [(n, p) for n, p in model.stage_parameters(cfg.train_stage) if p.requires_grad]
-    optimizer = build_optimizer(cfg.optimizer_name, named, cfg.base_lr, weight_decay=cfg.weight_decay)
+    optimizer = build_optimizer(cfg.optimizer_name, named, cfg.base_lr, weight_decay=cfg.weight_decay,
+                                **asdict(cfg.optimizer_recipe))
     scheduler = build_scheduler(cfg.scheduler_name, optimizer, cfg.warmup_steps,
                                 total_steps=cfg.max_steps or None, lr_batches=cfg.lr_batches,
                                 lr_epochs=cfg.lr_epochs,
@@ -187,7 +188,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     # The model's head (a resumed checkpoint's, whatever the flag) must fit the corpus's codebook 0.
     data = build_train_data(cfg, ctx, ar_codebook_size=model.ar_codebook_size)
     if lora is not None:
-        check_text_tokens(base_table, cfg.args.get("text_tokens"), cfg.start_from)
+        check_text_tokens(base_table, cfg.data.text_tokens and str(cfg.data.text_tokens), cfg.start_from)
     run = Run(cfg, ctx, model, optimizer, scheduler, scaler, averager, stepper, data, quarantine,
               TensorBoardLogger(cfg.exp_dir / "tensorboard" / f"stage{cfg.train_stage}", enabled=cfg.tensorboard and ctx.is_main),
               StallWatchdog(cfg.stall_factor, cfg.stall_min_seconds,
@@ -211,21 +212,17 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     return run
 
 
-def model_hparams(cfg: TrainConfig, payload: dict | None):
-    """Model hyper-parameters: the flags, or a checkpoint's when resuming (old
-    checkpoints included: keys they predate take the values they were trained with)."""
-    import argparse
-
-    from valle.models import add_model_arguments
+def architecture_hparams(cfg: TrainConfig, payload: dict | None) -> dict[str, Any]:
+    """The model's hyper-parameters: the flags (``cfg.model``), or a checkpoint's when resuming
+    or starting from one (old checkpoints included: keys they predate take the values they were
+    trained with); the training-loss settings stay the flags'."""
     from valle.models.convert import ours_hparams
 
-    defaults = argparse.ArgumentParser(add_help=False)
-    add_model_arguments(defaults)
-    values = {**vars(defaults.parse_args([])), **cfg.args}
+    values = cfg.model.hparams()
     if payload is not None:
-        # Resuming: the architecture is the checkpoint's, whatever the flags say.
+        # The architecture is the checkpoint's, whatever the flags say.
         values.update(ours_hparams(payload.get("config", {}), payload["model"]))
-    return argparse.Namespace(**values)
+    return values
 
 
 def start_from(run: Run, state: dict[str, torch.Tensor]) -> None:

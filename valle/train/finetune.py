@@ -56,8 +56,8 @@ def attach_lora(config: LoraConfig, start_from: str, model: torch.nn.Module,
     adapters = sum(t.numel() for t in lora_state_dict(model).values())
     total = sum(p.numel() for p in model.parameters())
     logger.info("LoRA rank %d (alpha %g) on %d layers (%s): %.3f M adapter parameters, %.2f%% of "
-                "the model; base %s (sha256 %s...) frozen", config.rank, config.alpha,
-                len(plan.wrapped), ",".join(config.targets), adapters / 1e6,
+                "the model; base %s (sha256 %s...) frozen", config.lora_rank, config.lora_alpha,
+                len(plan.wrapped), ",".join(config.lora_targets), adapters / 1e6,
                 100.0 * adapters / max(total, 1), start_from, base_sha256[:12])
     return LoraRun(config, base_sha256, start_from, plan)
 
@@ -67,7 +67,7 @@ def check_lora_resume(lora: LoraRun | None, payload: dict[str, Any], where: str)
     the reverse), naming the files."""
     saved = payload.get("lora")
     if lora is None and saved is not None:
-        raise LoraError(f"{where} holds LoRA adapters (rank {saved['config']['rank']}, base "
+        raise LoraError(f"{where} holds LoRA adapters (rank {saved['config']['lora_rank']}, base "
                         f"{saved['base']}): resume with the same --lora-rank and --start-from")
     if lora is None:
         return
