@@ -138,16 +138,15 @@ def write_lora_base(cfg: SweepConfig) -> None:
     import torch
 
     from valle.models import get_model
-    from valle.train.build import model_hparams
     from valle.train.checkpoint import make_payload
     from valle.train.cli import parse_config
 
     config = parse_config(trainer_argv(LORA_BASE.parent / "unused", SweepConfig(cfg.world_size), []))
     torch.manual_seed(config.seed)
-    model = get_model(model_hparams(config, None))
+    model = get_model(config.model)
     tmp = LORA_BASE.with_name(f"{LORA_BASE.name}.{os.getpid()}.tmp")
     torch.save(make_payload(model=model.state_dict(), step=0, epoch=1, train_stage=0,
-                            config=config.args), tmp)
+                            config=config.checkpoint_config()), tmp)
     os.replace(tmp, LORA_BASE)
 
 

@@ -40,8 +40,11 @@ class LoraRun:
 
     def entry(self) -> dict[str, Any]:
         """The checkpoint's ``lora`` entry."""
+        from pathlib import Path
+
+        # Absolute: bin/infer.py and the synthesis page find the base from any directory.
         return {"config": self.config.to_dict(), "base_sha256": self.base_sha256,
-                "base": self.base_path}
+                "base": str(Path(self.base_path).resolve())}
 
 
 def attach_lora(config: LoraConfig, start_from: str, model: torch.nn.Module,
