@@ -159,11 +159,27 @@ def test_shar_state_checks_format_world_size_and_seed(tiny_data, tiny_shar):
                 0, 1, sampler_state={**shar_state, **bad})
 
 
-def test_filters_are_reported_and_empty_result_names_the_filter(tiny_data):
+def test_filters_are_reported_and_empty_result_names_the_filter(tiny_data, tmp_path, caplog):
     dm = make_dm(tiny_data, "--filter-max-duration", "2.0")
-    dm.train_dataloader(0, 1)
-    assert dm.filter_report.counts.get("too_long", 0) > 0
-    assert all(e.reason == "too_long" for e in dm.filter_report.entries)
+    loader = dm.train_dataloader(0, 1)
+    assert not dm.filter_report.entries  # no pass at start: listed as the sampler meets them
+    for _epoch in range(2):
+        list(loader)
+        assert dm.filter_report.counts.get("too_long", 0) > 0
+        assert all(e.reason == "too_long" for e in dm.filter_report.entries)
+        streamed = sorted(e.cut_id for e in dm.filter_report.entries)  # each cut once
+        assert len(set(streamed)) == len(streamed)
+    # a corpus without extremes records: the old pass at start, with a warning, same report
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in tiny_data.iterdir():
+        if "_extremes_" not in f.name:
+            (old / f.name).symlink_to(f)
+    with caplog.at_level("WARNING", logger="valle.data.datamodule"):
+        passed = make_dm(old, "--filter-max-duration", "2.0")
+        passed.train_dataloader(0, 1)
+    assert sorted(e.cut_id for e in passed.filter_report.entries) == streamed
+    assert any("python -m valle.data.extremes" in r.getMessage() for r in caplog.records)
     n_train = len(CutSet.from_file(tiny_data / "tiny_cuts_train.jsonl.gz"))
     with pytest.raises(NoCutsLeftError, match=f"--filter-max-duration 0.5 removed all {n_train} cuts"):
         make_dm(tiny_data, "--filter-max-duration", "0.5").train_dataloader(0, 1)
