@@ -7,11 +7,12 @@ is written lazily, each copy with a unique id, every copy sharing the original's
 (``{prefix}_extremes_{part}.json``); the symbol table, codec record, text statistics and
 dev part are the original's. Then ``bin/trainer.py --max-steps 2`` runs on one CPU rank
 with the trainer's default flags (the pessimistic scan included) except a tiny model, and
-the table gives, per N, the wall time from launch to exit and the trainer process's peak
-RSS (``ru_maxrss``: DataLoader workers are other processes). The sizes run one after the
-other in one invocation; the last columns are the ratios to the smallest size.
+the table gives, per N, the wall time from launch to exit, the CPU time of the trainer and
+its DataLoader workers (what a shared machine's load does not inflate), and the trainer
+process's peak RSS (``ru_maxrss``). The sizes run interleaved, ``--repeats`` times each, in
+one invocation; each column is the median, and the ratios are to the smallest size.
 
-    python scripts/bench_startup.py [--sizes 10000,100000,1000000] [--data-dir DIR]
+    python scripts/bench_startup.py [--sizes 10000,100000,1000000] [--repeats 3] [--data-dir DIR]
 
 ``--data-dir`` keeps the corpus and its replicas for the next run (default: a temporary
 directory, removed at the end). ``--no-extremes`` leaves the records out, which is how a
@@ -25,12 +26,12 @@ import gzip
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -48,18 +49,6 @@ def build_tiny(data_dir: Path) -> Path:
                         "--data-dir", str(data_dir / "tiny"), "--limit", "24"],
                        cwd=ROOT, check=True, capture_output=True, timeout=900)
     return tokenized
-
-
-class DictCut:
-    """A cut dict seen as the extremes record reads a cut (no lhotse object per copy)."""
-
-    def __init__(self, d: dict) -> None:
-        self.d = d
-        self.id, self.duration = d["id"], d["duration"]
-        self.supervisions = [SimpleNamespace(custom=d["supervisions"][0]["custom"])]
-
-    def to_dict(self) -> dict:
-        return self.d
 
 
 def replicate(tokenized: Path, out: Path, num_cuts: int, extremes: bool) -> Path:
@@ -84,15 +73,15 @@ def replicate(tokenized: Path, out: Path, num_cuts: int, extremes: bool) -> Path
             d["supervisions"] = [dict(d["supervisions"][0], id=d["id"])]
             f.write(json.dumps(d, ensure_ascii=False) + "\n")
             if extremes:
-                record.add(DictCut(d))
+                record.add_dict(d)
     if extremes:
         record.write(extremes_path(out, PREFIX, PART))
     done.write_text(json.dumps({"cuts": num_cuts, "extremes": extremes}))
     return out
 
 
-def run_trainer(manifest_dir: Path, exp_dir: Path) -> tuple[float, float, str]:
-    """(seconds from launch to exit, peak RSS of the trainer process in MB, log tail)."""
+def run_trainer(manifest_dir: Path, exp_dir: Path) -> tuple[float, float, float]:
+    """(wall seconds from launch to exit, CPU seconds, peak RSS of the trainer in MB)."""
     shutil.rmtree(exp_dir, ignore_errors=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, str(ROOT / "bin/trainer.py"), "--manifest-dir", str(manifest_dir),
@@ -102,34 +91,43 @@ def run_trainer(manifest_dir: Path, exp_dir: Path) -> tuple[float, float, str]:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         _pid, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - t0
-    tail = exp_dir.with_suffix(".log").read_text()[-3000:]
     if os.waitstatus_to_exitcode(status) != 0:
+        tail = exp_dir.with_suffix(".log").read_text()[-3000:]
         raise RuntimeError(f"trainer failed on {manifest_dir}:\n{tail}")
-    return seconds, usage.ru_maxrss / 1024, tail
+    return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="10000,100000,1000000", help="cuts in the training part, comma-separated")
     p.add_argument("--data-dir", type=Path, default=None, help="keep the corpora here (default: a temp dir)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per size (interleaved); medians reported")
     p.add_argument("--no-extremes", action="store_true", help="no extremes records (the fallback pass)")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="bench_startup_"))
     try:
         tokenized = build_tiny(data_dir)
-        rows = []
+        dirs = {}
         for n in sizes:
             t0 = time.perf_counter()
-            manifest_dir = replicate(tokenized, data_dir / f"cuts-{n}", n, not args.no_extremes)
-            made = time.perf_counter() - t0
-            seconds, rss, _tail = run_trainer(manifest_dir, data_dir / f"exp-{n}")
-            rows.append((n, seconds, rss))
-            print(f"# {n} cuts: replicated in {made:.1f}s, trained 2 steps in {seconds:.1f}s", file=sys.stderr)
-        base_s, base_rss = rows[0][1], rows[0][2]
-        print(f"{'cuts':>9}  {'launch to 2 steps (s)':>21}  {'peak RSS (MB)':>13}  {'time ratio':>10}  {'RSS ratio':>9}")
-        for n, seconds, rss in rows:
-            print(f"{n:>9}  {seconds:>21.1f}  {rss:>13.0f}  {seconds / base_s:>10.2f}  {rss / base_rss:>9.2f}")
+            dirs[n] = replicate(tokenized, data_dir / f"cuts-{n}", n, not args.no_extremes)
+            print(f"# {n} cuts: corpus ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        runs: dict[int, list[tuple[float, float, float]]] = {n: [] for n in sizes}
+        for repeat in range(args.repeats):
+            for n in sizes:
+                runs[n].append(run_trainer(dirs[n], data_dir / f"exp-{n}"))
+                print(f"# {n} cuts, run {repeat + 1}: {runs[n][-1][0]:.1f}s wall, "
+                      f"{runs[n][-1][1]:.1f}s CPU, {runs[n][-1][2]:.0f} MB", file=sys.stderr)
+        med = {n: [statistics.median(r[i] for r in runs[n]) for i in range(3)] for n in sizes}
+        base = med[sizes[0]]
+        print("| cuts | launch to end of 2 steps, wall (s) | CPU (s) | peak RSS (MB) | wall ratio | "
+              "CPU ratio | RSS ratio |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for n in sizes:
+            wall, cpu, rss = med[n]
+            print(f"| {n:,} | {wall:.1f} | {cpu:.1f} | {rss:.0f} | {wall / base[0]:.2f} | "
+                  f"{cpu / base[1]:.2f} | {rss / base[2]:.2f} |")
     finally:
         if args.data_dir is None:
             shutil.rmtree(data_dir, ignore_errors=True)

@@ -227,3 +227,21 @@ def test_trainer_pins_batches_on_cuda_only(tiny_data, tmp_path, device, pinned):
     # the DataLoaders they build (constructed only: there is no GPU to pin for here)
     assert data.train._batches(0).pin_memory is pinned
     assert data.valid._batches(0).pin_memory is pinned
+
+
+def test_shar_start_up_reads_the_extremes_record_not_the_shards(tiny_data, tiny_shar, tmp_path):
+    shar = tmp_path / "shar"
+    shar.mkdir()
+    for f in tiny_shar.iterdir():
+        (shar / f.name).symlink_to(f)
+    (shar / "tiny_extremes_train.json").symlink_to(tiny_data / "tiny_extremes_train.json")
+    from_shar = make_dm(tiny_data, "--shar-dir", str(shar))
+    from_manifest = make_dm(tiny_data)
+    data = from_shar.train_dataloader(0, 1).data
+    # bins from the record's sample (no shard is opened: a missing path is never read)
+    assert data._duration_bins(["/nonexistent/cuts.000000.jsonl.gz"]) == \
+        from_manifest.bucketing("train", from_manifest.constraint())["duration_bins"]
+    ids = {name: [c.id for c in cuts] for name, (_v, cuts) in from_shar.worst_batches().items()}
+    assert ids == {name: [c.id for c in cuts] for name, (_v, cuts) in from_manifest.worst_batches().items()}
+    # without a record: bins from the shards themselves, as before
+    assert make_dm(tiny_data, "--shar-dir", str(tiny_shar)).train_extremes() is None

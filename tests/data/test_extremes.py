@@ -94,3 +94,18 @@ def test_the_tokenizer_joins_chunk_records_into_the_part_record(tmp_path, tokeni
     assert record.entries("longest_text")[0].text_tokens == max(num(c) for c in cuts)
     # written after the cuts file: the trainer takes an older record for a stale one
     assert extremes_path(out, "ml", "test").stat().st_mtime >= (out / "ml_cuts_test.jsonl.gz").stat().st_mtime
+
+
+def test_recipe_steps_write_the_records_of_the_parts_they_make(tiny_data, tmp_path):
+    from valle.data import recipe
+
+    out = tmp_path / "out"
+    out.mkdir()
+    both = out / "x_cuts_both.jsonl.gz"
+    recipe.combine(both, [tiny_data / "tiny_cuts_train.jsonl.gz", tiny_data / "tiny_cuts_dev.jsonl.gz",
+                          tiny_data / "tiny_cuts_dev.jsonl.gz"])  # dev twice: dropped, not counted
+    recipe.split(both, out, "y", num_dev=3, num_test=2)
+    for prefix, part in (("x", "both"), ("y", "train"), ("y", "dev"), ("y", "test")):
+        cuts = CutSet.from_file(out / f"{prefix}_cuts_{part}.jsonl.gz")
+        written = Extremes.read(extremes_path(out, prefix, part)).to_json()
+        assert written == Extremes.of(cuts).to_json(), (prefix, part)

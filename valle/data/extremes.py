@@ -38,8 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from valle.data.collation import num_text_tokens
-
 VERSION = 1
 BIN_SECONDS = 0.5  # duration bin width: a training duration filter lands inside one bin
 MAX_BINS = 480  # 240 s; longer cuts share the last bin
@@ -51,6 +49,16 @@ def extremes_path(out_dir: Path, prefix: str, part: str) -> Path:
     """``{out_dir}/{prefix}_extremes_{part}.json``: written next to the part's cuts file (and
     into a Shar directory under the same name)."""
     return Path(out_dir) / f"{prefix}_extremes_{part}.json"
+
+
+def extremes_path_of(cuts_path: Path) -> Path | None:
+    """The record's path for a cuts file named ``{prefix}_cuts_{part}.jsonl.gz`` (None for
+    another name: no trainer looks for its record)."""
+    name = Path(cuts_path).name
+    if "_cuts_" not in name or not name.endswith(".jsonl.gz"):
+        return None
+    prefix, part = name[: -len(".jsonl.gz")].rsplit("_cuts_", 1)
+    return extremes_path(Path(cuts_path).parent, prefix, part)
 
 
 @dataclass(frozen=True)
@@ -131,16 +139,25 @@ class Extremes:
 
     # ---- building ------------------------------------------------------------------------
     def add(self, cut) -> None:
-        tokens = num_text_tokens(cut)
+        """A tokenized lhotse cut."""
+        from valle.data.collation import num_text_tokens  # torch: not for the dict-only recipe steps
+
+        self._add(cut.id, float(cut.duration), num_text_tokens(cut), cut.to_dict)
+
+    def add_dict(self, cut: dict[str, Any]) -> None:
+        """A tokenized cut as its manifest line's dict (the recipe steps read no lhotse)."""
+        self._add(cut["id"], float(cut["duration"]), _dict_text_tokens(cut), lambda: cut)
+
+    def _add(self, cut_id: str, duration: float, tokens: int, as_dict: Callable[[], dict]) -> None:
         self.count += 1
-        self.microseconds += round(cut.duration * 1e6)
-        self._add_sample((sample_key(cut.id), float(cut.duration), tokens))
-        probe = Entry(cut.id, float(cut.duration), tokens, {})
-        b = self.bins.setdefault(duration_bin(cut.duration), Bin())
+        self.microseconds += round(duration * 1e6)
+        self._add_sample((sample_key(cut_id), duration, tokens))
+        probe = Entry(cut_id, duration, tokens, {})
+        b = self.bins.setdefault(duration_bin(duration), Bin())
         b.count += 1
         wanted = [name for name in FRONTIERS if not dominated(probe, b.best[name], name)]
         if wanted:  # the dict is made only for cuts that are kept
-            entry = Entry(cut.id, float(cut.duration), tokens, cut.to_dict())
+            entry = Entry(cut_id, duration, tokens, as_dict())
             for name in wanted:
                 b.offer(name, entry)
 

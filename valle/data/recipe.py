@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from valle.data import validation as V
+from valle.data.extremes import Extremes, extremes_path_of
 from valle.data.manifests import ManifestError
 
 logger = logging.getLogger("recipe")
@@ -60,7 +61,7 @@ class _Writer:
 def combine(output: Path, inputs: list[Path]) -> V.ValidationReport:
     """Concatenate cut manifests (one input is fine). A cut id seen before is dropped and
     reported: a duplicated cut would train twice per epoch."""
-    report, seen = V.ValidationReport(), set()
+    report, seen, record = V.ValidationReport(), set(), Extremes()
     writer = _Writer(output)
     try:
         for path in inputs:
@@ -71,10 +72,12 @@ def combine(output: Path, inputs: list[Path]) -> V.ValidationReport:
                     continue
                 seen.add(cut["id"])
                 writer.write(cut)
+                record.add_dict(cut)
     except BaseException:
         writer.discard()
         raise
     writer.finish()
+    _write_extremes(output, record)
     for e in report.entries:
         print(f"combine: dropped {e.cut_id}: {e.reason} ({e.detail})")
     print(f"combine: {len(seen)} cuts from {len(inputs)} manifest(s) -> {output}; {report.summary()}")
@@ -91,10 +94,12 @@ def split(all_path: Path, output_dir: Path, prefix: str, num_dev: int, num_test:
     if Path(all_path).resolve() in {p.resolve() for p in paths.values()}:
         raise ManifestError(f"{all_path}: split would overwrite its own input (choose another --prefix)")
     writers = {k: _Writer(p) for k, p in paths.items()}
+    records = {k: Extremes() for k in paths}
     try:
         for i, cut in enumerate(_iter(all_path)):
             part = "dev" if i < num_dev else "test" if i < num_dev + num_test else rest
             writers[part].write(cut)
+            records[part].add_dict(cut)
             counts[part] += 1
         if counts[rest] == 0:
             raise ManifestError(f"{all_path}: only {sum(counts.values())} cuts, cannot hold out "
@@ -103,10 +108,19 @@ def split(all_path: Path, output_dir: Path, prefix: str, num_dev: int, num_test:
         for w in writers.values():
             w.discard()
         raise
-    for w in writers.values():
+    for part, w in writers.items():
         w.finish()
+        _write_extremes(paths[part], records[part])
     print(f"split: {counts} -> {output_dir}")
     return counts
+
+
+def _write_extremes(cuts_path: Path, record: Extremes) -> None:
+    """The cuts file's extremes record (what the trainer's start-up reads instead of a pass
+    over it), written after the cuts file as bin/tokenizer.py writes it."""
+    path = extremes_path_of(cuts_path)
+    if path is not None:
+        record.write(path)
 
 
 def describe(path: Path) -> dict:
