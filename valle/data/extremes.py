@@ -140,7 +140,8 @@ class Extremes:
     # ---- building ------------------------------------------------------------------------
     def add(self, cut) -> None:
         """A tokenized lhotse cut."""
-        from valle.data.collation import num_text_tokens  # torch: not for the dict-only recipe steps
+        # Imported here: collation needs torch, which the dict-only recipe steps do not load.
+        from valle.data.collation import num_text_tokens
 
         self._add(cut.id, float(cut.duration), num_text_tokens(cut), cut.to_dict)
 
