@@ -109,3 +109,15 @@ def test_recipe_steps_write_the_records_of_the_parts_they_make(tiny_data, tmp_pa
         cuts = CutSet.from_file(out / f"{prefix}_cuts_{part}.jsonl.gz")
         written = Extremes.read(extremes_path(out, prefix, part)).to_json()
         assert written == Extremes.of(cuts).to_json(), (prefix, part)
+
+
+def test_the_record_of_an_older_corpus_is_written_by_one_command(tiny_data, tmp_path, capsys):
+    from valle.data.extremes import main
+
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "tiny_cuts_train.jsonl.gz").symlink_to(tiny_data / "tiny_cuts_train.jsonl.gz")
+    assert main(["--manifest-dir", str(old), "--dataset", "tiny", "--parts", "train"]) == 0
+    written = Extremes.read(extremes_path(old, "tiny", "train")).to_json()
+    assert written == Extremes.read(extremes_path(tiny_data, "tiny", "train")).to_json()
+    assert "tiny_extremes_train.json: " in capsys.readouterr().out
