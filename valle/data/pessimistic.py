@@ -28,7 +28,9 @@ passes the training filters, ``B`` fits the budget):
    high as ``c`` on every audio criterion. The ``longest_text`` frontier does the same
    along text (``t_f >= t_c``, ``d_f <= d_c``; candidates ``f`` with its text tokens cut
    to ``t_m`` and to the longest text that fits one batch), and ``shortest`` holds the cut
-   of the most copies (fewest seconds and tokens).
+   of the most copies (fewest seconds and tokens). Among candidates of equal score the
+   heavier batch wins (padded frames plus text tokens), so the longest cut is scanned
+   with the most text found at that length, not the least.
 
 So the best candidate per criterion scores at least as high as any batch of the corpus,
 and it is a batch the sampler could form from cuts no larger than real ones. Candidates
@@ -46,6 +48,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from valle.codec.constants import FRAME_RATE
 from valle.data.collation import num_text_tokens
 from valle.data.extremes import Entry, Extremes, bin_start
 
@@ -172,6 +175,8 @@ def candidates(record: Extremes, cut_filter) -> list[tuple[float, int, Entry]]:
                     add(d, f.text_tokens, f)
         front = b.best["longest_text"]  # most text first
         for i, f in enumerate(front):
+            if f.duration > bound >= bin_start(index):  # its text on the longest audio kept
+                add(bound, f.text_tokens, f)
             below = front[i + 1].text_tokens + extra if i + 1 < len(front) else extra - 1
             top = f.text_tokens + extra
             if longest_text is not None:
@@ -223,16 +228,18 @@ def worst_batches(record: Extremes, cut_filter) -> dict[str, tuple[float, list]]
     from the part the record describes (see the module docstring). Empty when the filters
     keep no candidate."""
     constraint = cut_filter.constraint
-    best: dict[str, tuple[float, int, tuple]] = {}
+    best: dict[str, tuple[tuple[float, float], tuple]] = {}
     for cand in candidates(record, cut_filter):
         n, values = scores(constraint, cand[0], cand[1])
+        # On a tie, the heavier batch: padded audio frames plus text tokens (what memory follows).
+        weight = n * (cand[0] * FRAME_RATE + cand[1])
         for name, value in values.items():
-            if name not in best or value > best[name][0]:
-                best[name] = (value, n, cand)
+            if name not in best or (value, weight) > best[name][0]:
+                best[name] = ((value, weight), cand)
     out = {}
     for name, score in CRITERIA.items():
         if name in best:
-            _value, _n, (duration, tokens, entry) = best[name]
+            _key, (duration, tokens, entry) = best[name]
             # lhotse cuts a duration to whole samples: count and score the cut it made
             cut = materialize(entry, duration, tokens)
             batch = copy_batch(cut, copies_that_fit(constraint, cut.duration, constraint.text_length(cut)))
