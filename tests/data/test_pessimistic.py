@@ -12,7 +12,7 @@ import pytest
 from lhotse import CutSet
 from lhotse.lazy import LazyJsonlIterator
 
-from valle.data.datamodule import TtsDataModule
+from valle.data.datamodule import TtsDataModule, add_data_flags
 from valle.data.extremes import Extremes, extremes_path
 from valle.data.pessimistic import CRITERIA, worst_of
 
@@ -21,10 +21,9 @@ FLAGS = ["--max-duration", "6", "--max-text-tokens", "120", "--num-buckets", "2"
 
 def make_dm(manifest_dir, *extra):
     parser = argparse.ArgumentParser()
-    TtsDataModule.add_arguments(parser)
+    add_data_flags(parser)
     args = parser.parse_args(["--manifest-dir", str(manifest_dir), "--dataset", "tiny", *FLAGS, *extra])
-    args.seed = 0
-    return TtsDataModule(args)
+    return TtsDataModule.from_flags(args)
 
 
 def pass_scores(dm) -> dict[str, float]:
@@ -49,7 +48,7 @@ def test_record_batches_are_at_least_as_bad_as_the_pass_finds(tiny_data, extra):
         assert value >= truth[name] - 1e-9, (name, value, truth[name])
         assert CRITERIA[name](cuts) == pytest.approx(value)
         assert constraint.fits(cuts), name  # a batch the sampler may form: within budget
-        assert all(c.duration <= dm.args.filter_max_duration + 1e-9 for c in cuts)
+        assert all(c.duration <= dm.cfg.filter_max_duration + 1e-9 for c in cuts)
         assert len({c.id for c in cuts}) == len(cuts)
 
 
