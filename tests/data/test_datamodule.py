@@ -179,7 +179,7 @@ def test_filters_are_reported_and_empty_result_names_the_filter(tiny_data, tmp_p
         passed = make_dm(old, "--filter-max-duration", "2.0")
         passed.train_dataloader(0, 1)
     assert sorted(e.cut_id for e in passed.filter_report.entries) == streamed
-    assert any("python -m valle.data.extremes" in r.getMessage() for r in caplog.records)
+    assert any("python -m valle.data.recipe extremes" in r.getMessage() for r in caplog.records)
     n_train = len(CutSet.from_file(tiny_data / "tiny_cuts_train.jsonl.gz"))
     with pytest.raises(NoCutsLeftError, match=f"--filter-max-duration 0.5 removed all {n_train} cuts"):
         make_dm(tiny_data, "--filter-max-duration", "0.5").train_dataloader(0, 1)
@@ -230,11 +230,12 @@ def test_trainer_pins_batches_on_cuda_only(tiny_data, tmp_path, device, pinned):
 
 
 def test_shar_start_up_reads_the_extremes_record_not_the_shards(tiny_data, tiny_shar, tmp_path):
-    shar = tmp_path / "shar"
-    shar.mkdir()
+    shar = tmp_path / "shar" / "train"
+    shar.mkdir(parents=True)
     for f in tiny_shar.iterdir():
         (shar / f.name).symlink_to(f)
-    (shar / "tiny_extremes_train.json").symlink_to(tiny_data / "tiny_extremes_train.json")
+    # beside the shard dir, where bin/tokenizer.py --shar-dir and `recipe shar` put it
+    (tmp_path / "shar" / "tiny_extremes_train.json").symlink_to(tiny_data / "tiny_extremes_train.json")
     from_shar = make_dm(tiny_data, "--shar-dir", str(shar))
     from_manifest = make_dm(tiny_data)
     data = from_shar.train_dataloader(0, 1).data

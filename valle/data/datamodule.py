@@ -235,9 +235,8 @@ class TtsDataModule:
             why = "is older than the cuts file" if path.is_file() else "does not exist"
             logger.warning("%s %s (a corpus tokenized before bin/tokenizer.py wrote it, or cuts edited "
                            "since): start-up makes a pass over %s instead (slow for a large part); "
-                           "write it once with: python -m valle.data.extremes --manifest-dir %s "
-                           "--dataset %s --parts %s", path, why, cuts.name, self.cfg.manifest_dir,
-                           self.cfg.dataset, part)
+                           "write it once with: python -m valle.data.recipe extremes %s",
+                           path, why, cuts.name, cuts)
         self._extremes[part] = record
         return record
 

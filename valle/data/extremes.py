@@ -53,7 +53,8 @@ def extremes_path(out_dir: Path, prefix: str, part: str) -> Path:
 
 def extremes_path_of(cuts_path: Path) -> Path | None:
     """The record's path for a cuts file named ``{prefix}_cuts_{part}.jsonl.gz`` (None for
-    another name: no trainer looks for its record)."""
+    another name: no trainer looks for its record). A record is written or rewritten with
+    ``python -m valle.data.recipe extremes CUTS`` (one pass over the cuts file)."""
     name = Path(cuts_path).name
     if "_cuts_" not in name or not name.endswith(".jsonl.gz"):
         return None
@@ -236,7 +237,7 @@ class Extremes:
         if data.get("version") != VERSION or data.get("bin_seconds") != BIN_SECONDS:
             raise ValueError(f"extremes record version {data.get('version')} / bins of "
                              f"{data.get('bin_seconds')} s: this build reads version {VERSION} "
-                             f"with bins of {BIN_SECONDS} s (rewrite it: bin/tokenizer.py --extremes-only)")
+                             f"with bins of {BIN_SECONDS} s (rewrite it: python -m valle.data.recipe extremes CUTS)")
         entries = {cut_id: Entry(cut_id, float(d["duration"]), _dict_text_tokens(d), d)
                    for cut_id, d in data["cuts"].items()}
         record = cls(sample_size=int(data["sample_size"]),
@@ -276,58 +277,3 @@ def _dict_text_tokens(cut: dict[str, Any]) -> int:
     if "num_text_tokens" in custom:
         return int(custom["num_text_tokens"])
     return len(custom["tokens"]["text"])
-
-
-# ----------------------------------------------------------------------------- command line
-def record_of_file(cuts) -> Extremes:
-    """The record of a lazy CutSet (one metadata pass, with progress)."""
-    from tqdm import tqdm
-
-    record = Extremes()
-    for cut in tqdm(cuts, desc="extremes", unit=" cuts", mininterval=5):
-        record.add(cut)
-    return record
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Write the record of parts tokenized before bin/tokenizer.py wrote one: a metadata
-    pass over each cuts file (or each Shar directory's cuts shards)."""
-    import argparse
-    import logging
-
-    from lhotse import CutSet
-
-    p = argparse.ArgumentParser(prog="python -m valle.data.extremes", description=main.__doc__)
-    p.add_argument("--manifest-dir", type=Path, default=None,
-                   help="where {dataset}_cuts_{part}.jsonl.gz are (the record goes next to them)")
-    p.add_argument("--shar-dir", type=Path, default=None,
-                   help="or: a Shar directory (cuts.*.jsonl.gz); the record goes into it")
-    p.add_argument("--dataset", required=True, help="prefix of the cut files (bin/tokenizer.py --prefix)")
-    p.add_argument("--parts", nargs="+", default=["train"], help="parts (one with --shar-dir)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if (args.manifest_dir is None) == (args.shar_dir is None):
-        p.error("give one of --manifest-dir and --shar-dir")
-    if args.shar_dir is not None and len(args.parts) != 1:
-        p.error("--shar-dir holds one part: give one --parts")
-    for part in args.parts:
-        if args.shar_dir is not None:
-            shards = sorted(str(x) for x in args.shar_dir.glob("cuts.*.jsonl*"))
-            if not shards:
-                p.error(f"--shar-dir {args.shar_dir}: no cuts.*.jsonl.gz shards")
-            cuts, out_dir = CutSet.from_shar(fields={"cuts": shards}), args.shar_dir
-        else:
-            path = args.manifest_dir / f"{args.dataset}_cuts_{part}.jsonl.gz"
-            if not path.is_file():
-                p.error(f"{path}: no such cut manifest (check --manifest-dir, --dataset, --parts)")
-            cuts, out_dir = CutSet.from_jsonl_lazy(path), args.manifest_dir
-        record = record_of_file(cuts)
-        target = extremes_path(out_dir, args.dataset, part)
-        record.write(target)
-        print(f"{target}: {record.count} cuts, {record.seconds / 3600:.3f} h, "
-              f"{len(record.all_entries())} kept cuts in {len(record.bins)} duration bins")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

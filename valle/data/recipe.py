@@ -19,6 +19,7 @@ import gzip
 import json
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -177,6 +178,11 @@ def shar(path: Path, out_dir: Path, shard_size: int) -> list[str]:
     if not Path(path).is_file():
         raise ManifestError(f"{path}: no such cut manifest")
     files = export_shar(Path(path), Path(out_dir), shard_size)
+    record = extremes_path_of(path)
+    if record is not None and record.is_file():
+        # beside the shard dir, where the trainer's --shar-dir looks for it (valle/data/shar.py)
+        prefix = record.name.split("_extremes_")[0]
+        shutil.copyfile(record, Path(out_dir).parent / f"{prefix}_extremes_{Path(out_dir).name}.json")
     print(f"shar: {path} -> {out_dir} ({sum(1 for f in files if '/cuts.' in f)} shard(s))")
     return files
 
@@ -184,14 +190,10 @@ def shar(path: Path, out_dir: Path, shard_size: int) -> list[str]:
 def extremes_of_manifest(path: Path) -> Path:
     """``{prefix}_extremes_{part}.json`` for ``{prefix}_cuts_{part}.jsonl.gz``: where the trainer
     looks for the part's extremes record (``valle.data.extremes``)."""
-    from valle.data.extremes import extremes_path
-
-    name = Path(path).name
-    prefix, sep, rest = name.partition("_cuts_")
-    part = rest.split(".")[0]
-    if not (sep and prefix and part):
+    out = extremes_path_of(path)
+    if out is None:
         raise ManifestError(f"{path}: not named {{prefix}}_cuts_{{part}}.jsonl.gz: no extremes record name for it")
-    return extremes_path(Path(path).parent, prefix, part)
+    return out
 
 
 def write_extremes(path: Path) -> Path:

@@ -55,17 +55,21 @@ def find_shards(shar_dirs: str) -> list[dict[str, str]]:
 
 
 def shar_extremes(shar_dirs: str):
-    """The extremes records (``*_extremes_*.json``) of the Shar directories merged, or None
-    when a directory holds none (shards written before the records were)."""
+    """The extremes records of the Shar directories merged, or None when one has none (shards
+    written before the records were). A part's shards are in ``DIR/<part>``, its record beside
+    them, ``DIR/{prefix}_extremes_{part}.json`` (not inside: lhotse's ``from_shar(in_dir)``
+    takes every file of a shard dir for a field)."""
     from valle.data.extremes import Extremes
 
     merged = None
     for d in [Path(x) for x in str(shar_dirs).split(",") if x.strip()]:
-        paths = sorted(d.glob("*_extremes_*.json"))
+        paths = sorted(d.resolve().parent.glob(f"*_extremes_{d.resolve().name}.json"))
         if not paths:
-            logger.warning("--shar-dir %s holds no *_extremes_*.json record: start-up reads the shards "
-                           "instead (slow for a large corpus); write it once with: python -m "
-                           "valle.data.extremes --shar-dir %s --dataset PREFIX --parts PART", d, d)
+            logger.warning("--shar-dir %s has no extremes record beside it (%s/PREFIX_extremes_%s.json): "
+                           "the sampler's bins come from the shards and the scan from a pass over them "
+                           "(slow for a large corpus). The record of the part's cuts file "
+                           "(python -m valle.data.recipe extremes CUTS writes it) can be copied there",
+                           d, d.resolve().parent, d.resolve().name)
             return None
         for path in paths:
             record = Extremes.read(path)
