@@ -43,7 +43,6 @@ while longer cuts it stood for remain (a cut cannot be lengthened); the text cri
 from __future__ import annotations
 
 import copy
-import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -51,8 +50,6 @@ from typing import Any
 from valle.codec.constants import FRAME_RATE
 from valle.data.collation import num_text_tokens
 from valle.data.extremes import Entry, Extremes, bin_start
-
-logger = logging.getLogger(__name__)
 
 CRITERIA: dict[str, Callable[[Any], float]] = {
     "single_longest_cut": lambda cuts: max(c.duration for c in cuts),
@@ -76,13 +73,10 @@ def worst_of(batches) -> dict[str, tuple[float, Any]]:
 
 def copies_that_fit(constraint, duration: float, text_length: int) -> int:
     """The most copies of one cut (``text_length`` with bos/eos) that fit one batch (>= 1)."""
-    bounds = []
-    if constraint.max_cuts is not None:
-        bounds.append(constraint.max_cuts)
+    most = _most_copies(constraint, text_length)
+    bounds = [] if most is None else [most]
     if constraint.max_duration is not None:
         bounds.append(math.floor((constraint.max_duration + 1e-9) / max(constraint.duration_cost(duration), 1e-9)))
-    if constraint.max_text_tokens is not None:
-        bounds.append(constraint.max_text_tokens // max(text_length, 1))
     n = max(1, min(bounds)) if bounds else 1
     while n > 1 and not constraint.fits_sizes(n, duration, text_length):  # float edges
         n -= 1
