@@ -65,7 +65,7 @@ def test_merged_checkpoint_decodes_as_base_plus_adapters(files):
     assert has_lora(unmerged) and config["decoder_dim"] == 32  # the base's architecture wins
     merged, merged_config = load_model(out)
     assert not has_lora(merged) and "lora" not in torch.load(out, weights_only=False)
-    assert merged_config["text_tokens"] == config["text_tokens"]
+    assert merged_config["text_tokens"] == config["text_tokens"] and merged_config["lora_rank"] == 0
     assert torch.equal(_greedy(unmerged), _greedy(merged))
     # The adapters did change the model: the base alone decodes something else.
     plain, _ = load_model(base)

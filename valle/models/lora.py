@@ -349,5 +349,7 @@ def merged_checkpoint(adapters_payload: Mapping[str, Any], model: nn.Module,
     out = {k: v for k, v in adapters_payload.items() if k != "lora"}
     out.update(model={k: v.detach().cpu() for k, v in model.state_dict().items()}, model_avg=None,
                optimizer=None, scheduler=None, scaler=None, sampler=None,
-               config={**dict(adapters_payload.get("config") or {}), **dict(hparams)})
+               # a normal checkpoint: its flags no longer say LoRA
+               config={**dict(adapters_payload.get("config") or {}), **dict(hparams),
+                       "lora_rank": 0})
     return out
