@@ -29,6 +29,19 @@ TEXT_BUDGET_MARGIN = 1.25
 DEFAULT_TEXT_TOKENS_PER_SECOND = 25.0
 
 
+def parse_max_duration(v: str) -> float | str:
+    """Seconds of audio per batch, or ``auto`` (the trainer measures what fits in memory)."""
+    if v.lower() == "auto":
+        return "auto"
+    try:
+        seconds = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--max-duration: expected auto or seconds, got {v!r}") from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"--max-duration must be > 0, got {v}")
+    return seconds
+
+
 def parse_max_text_tokens(v: str) -> int | str | None:
     """``auto`` (default), a positive int, or ``off``/``none``/``0`` (no text budget)."""
     if v.lower() == "auto":
@@ -80,6 +93,9 @@ class TtsDataModule:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        if getattr(args, "max_duration", None) == "auto":
+            raise ValueError("--max-duration auto: the trainer chooses the number (bin/trainer.py); "
+                             "here give seconds")
         if getattr(args, "max_text_tokens", None) == "auto":
             resolve_max_text_tokens(args)
         self.filter_report = V.ValidationReport()
@@ -96,7 +112,9 @@ class TtsDataModule:
         g.add_argument("--valid-part", default="dev")
         g.add_argument("--text-tokens", type=Path, default=None,
                        help="symbol table (default: {manifest-dir}/unique_text_tokens.k2symbols)")
-        g.add_argument("--max-duration", type=float, default=40.0, help="seconds of audio per batch (padded)")
+        g.add_argument("--max-duration", type=parse_max_duration, default=40.0,
+                       help="seconds of audio per batch (padded), or auto: the largest that fits "
+                            "the device's memory, measured before training (docs/oom.md)")
         g.add_argument("--max-text-tokens", type=parse_max_text_tokens, default="auto",
                        help="padded text tokens per batch: auto (default: from --max-duration and the "
                             "corpus's text tokens per second, see docs/data.md), N, or off")

@@ -70,6 +70,10 @@ class TrainConfig:
     max_fitted_before_quarantines: int = 3
     update_retries: int = 2
     max_unreadable_cuts: int = 100
+    # memory (valle/train/autobatch.py, valle/train/resilience/meter.py)
+    memory_budget_gb: float = 0.0  # 0: on CUDA the device's free memory at start; on CPU none
+    memory_headroom: float = -1.0  # -1: 0.10 on CUDA, 0.03 with the CPU meter
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward
     count_allocations: str = ""  # the sweep's dry run: write the per-step census here
     inject_fault: list[FaultSpec] = field(default_factory=list)
     inject_fault_real: bool = False
@@ -166,6 +170,17 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--update-retries", type=int, default=d.update_retries,
                    help="local retries of an optimizer/averaging phase that ran out of memory "
                         "(it resumes where it stopped) before the rank is repaired from another")
+    r.add_argument("--memory-budget-gb", type=float, default=d.memory_budget_gb,
+                   help="memory this run may use per device (default on CUDA: the device's free "
+                        "memory at start). --max-duration auto fills it; on CPU it is a simulated "
+                        "device: the memory meter raises an OOM past it (docs/oom.md)")
+    r.add_argument("--memory-headroom", type=float, default=d.memory_headroom,
+                   help="--max-duration auto leaves this fraction of the budget free for "
+                        "fragmentation (-1: 0.10 on CUDA, 0.03 on CPU)")
+    r.add_argument("--activation-checkpointing", type=str2bool, nargs="?", const=True,
+                   default=d.activation_checkpointing,
+                   help="recompute each decoder layer's activations in backward: less memory "
+                        "(so --max-duration auto picks larger batches), more time")
     r.add_argument("--count-allocations", default=d.count_allocations, help=argparse.SUPPRESS)
     r.add_argument("--inject-fault", action="append", default=[], type=parse_fault,
                    metavar="PHASE@STEP[xK][:RANKS]|PHASE@cut=ID|alloc@STEP:N[:RANKS]")
@@ -236,6 +251,10 @@ def validate_config(cfg: TrainConfig) -> None:
     def bad(flag: str, why: str) -> None:
         raise ValueError(f"{flag}: {why}")
 
+    if cfg.memory_budget_gb < 0:
+        bad("--memory-budget-gb", "must be >= 0 (0: the device's free memory)")
+    if cfg.memory_headroom >= 1:
+        bad("--memory-headroom", "must be below 1 (-1: the default)")
     if cfg.accumulate_grad_steps < 1:
         bad("--accumulate-grad-steps", "must be >= 1")
     if cfg.dtype == "float16" and cfg.device == "cpu":

@@ -92,18 +92,7 @@ class LhotseTrainData:
         return taken
 
     def pessimistic_batches(self) -> dict[str, Batch]:
-        """One pass over this rank's batches (metadata only), the worst per criterion."""
-        from tqdm import tqdm
-
-        batches, dataset = self.module.scan_batches(self.ctx.rank, self.ctx.world_size)
-        best: dict[str, tuple[float, Any]] = {}
-        for cuts in tqdm(batches, desc="scanning for pessimistic batches",
-                         disable=not self.ctx.is_main):
-            for name, score in CRITERIA.items():
-                value = score(cuts)
-                if name not in best or value > best[name][0]:
-                    best[name] = (value, cuts)
-        return {f"{name} ({value:.1f})": dataset[cuts] for name, (value, cuts) in best.items()}
+        return pessimistic_batches_of(self.module, self.ctx)
 
     def state_dict(self, ctx: DistContext, next_epoch: bool = False) -> dict[str, Any]:
         return sampler_payload(self.train.state_dict(), ctx, next_epoch, "batches_consumed")
@@ -113,3 +102,17 @@ class LhotseTrainData:
 
     def steps_hint(self, num_epochs: int) -> int | None:
         return None  # a lazy manifest does not know its length without a pass
+
+
+def pessimistic_batches_of(module: TtsDataModule, ctx: DistContext) -> dict[str, Batch]:
+    """One pass over this rank's batches (metadata only), the worst per criterion."""
+    from tqdm import tqdm
+
+    batches, dataset = module.scan_batches(ctx.rank, ctx.world_size)
+    best: dict[str, tuple[float, Any]] = {}
+    for cuts in tqdm(batches, desc="scanning for pessimistic batches", disable=not ctx.is_main):
+        for name, score in CRITERIA.items():
+            value = score(cuts)
+            if name not in best or value > best[name][0]:
+                best[name] = (value, cuts)
+    return {f"{name} ({value:.1f})": dataset[cuts] for name, (value, cuts) in best.items()}
