@@ -131,6 +131,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
         try:
             summary = train_epochs(run)
         finally:
+            run.meter.stop()
             run.watchdog.close()
             if run.compiler is not None:
                 run.compiler.close()
