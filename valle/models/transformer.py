@@ -337,6 +337,13 @@ class TransformerStack(nn.Module):
         return x
 
 
+def set_activation_checkpointing(model: nn.Module, on: bool) -> None:
+    """Every decoder stack of `model` recomputes its layers in backward (or stops to)."""
+    for module in model.modules():
+        if isinstance(module, TransformerStack):
+            module.activation_checkpointing = on
+
+
 def prefix_causal_mask(key_valid: torch.Tensor, prefix_len: int) -> torch.Tensor:
     """(B, 1, L, L) mask for [prefix; sequence] with key padding.
 

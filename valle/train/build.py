@@ -155,6 +155,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     quarantine = Quarantine(cfg.exp_dir / "quarantine.jsonl")
     autobatch.check_auto_flags(cfg, ctx.device)
     if cfg.activation_checkpointing:
+        from valle.models.transformer import set_activation_checkpointing
+
         set_activation_checkpointing(model, True)
     if cfg.oom_snapshot and ctx.device.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=100000)
@@ -211,15 +213,6 @@ def attach_meter(run: Run) -> None:
         meter.start()
     run.meter = run.stepper.meter = meter
     run.stepper.reporter.meter = meter
-
-
-def set_activation_checkpointing(model: torch.nn.Module, on: bool) -> None:
-    """Every decoder stack recomputes its layers in backward (valle.models.transformer)."""
-    from valle.models.transformer import TransformerStack
-
-    for module in model.modules():
-        if isinstance(module, TransformerStack):
-            module.activation_checkpointing = on
 
 
 def model_hparams(cfg: TrainConfig, payload: dict | None):
