@@ -231,17 +231,22 @@ def search_budget(stepper, meter, source: BudgetSource, limit: int) -> Choice:
     # Doubled until the peak reaches half the limit: small batches have costs of their
     # own (a fixed part dominates), the fit must see the regime it will be used in.
     ceiling = math.inf  # the smallest budget seen not to fit
+    enough = math.inf  # a budget whose batches already hold all the data there is
     while max(p.peak_bytes for p in found) < limit / 2:
+        before = {p.shape for p in found}
         budget = source.round_down(budget * 2)
         found = probe_budget(stepper, meter, source, budget)
         if not fits(found, limit):
             ceiling = budget
             break
         probes += found
+        if {p.shape for p in found} == before:  # the batches stopped growing: a small corpus
+            enough = budget
+            break
     model, reference, shapes = _fit(probes)
     # One more, near the answer: the fit is best where it is used.
     near = source.round_down(0.85 * largest_budget(model, shapes, reference, limit)[0])
-    if math.isfinite(near) and reference < near < ceiling:
+    if math.isfinite(near) and reference < near < min(ceiling, enough):
         found = probe_budget(stepper, meter, source, near)
         if fits(found, limit):
             probes += found
@@ -249,7 +254,9 @@ def search_budget(stepper, meter, source: BudgetSource, limit: int) -> Choice:
         else:
             ceiling = near
     chosen, bound = largest_budget(model, shapes, reference, limit)
-    chosen = max(source.minimum, source.round_down(min(chosen, ceiling - source.unit)))
+    chosen = max(source.minimum, source.round_down(min(chosen, ceiling - source.unit, enough)))
+    if chosen >= enough:
+        bound = "the data (its batches stopped growing)"
     choice = Choice(chosen, bound, limit, model, probes)
     return check_choice(stepper, meter, source, choice)
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
+from valle.train import autobatch
 from valle.train.checkpoint import (
     apply_stage_switch,
     find_latest_checkpoint,
     load_checkpoint,
 )
-from valle.train import autobatch
 from valle.train.compile import TrainingCompiler, attach_compiler
 from valle.train.config import TrainConfig
 from valle.train.data import TrainData, build_train_data
