@@ -46,6 +46,14 @@ tmp=$(mktemp)
   echo
   python scripts/bench_preemption.py 2>/dev/null | grep -v -e 'Gloo' -e 'connected to' -e 'peer ranks'
   echo
+  echo "## Memory: activation checkpointing on/off, the CPU meter's cost, --max-duration auto"
+  echo
+  echo '```'
+  echo "python scripts/bench_memory.py"
+  echo '```'
+  echo
+  python scripts/bench_memory.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to' -e 'peer ranks'
+  echo
   echo "## --compile: eager against torch.compile, steps/s (each size compiles first: minutes on CPU)"
   echo
   echo '```'
