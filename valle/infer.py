@@ -21,6 +21,16 @@ from typing import Any
 import torch
 
 from valle.args import DTYPES, str2bool
+from valle.data.languages import split_languages
+from valle.infer_checks import (
+    AUTO,
+    Segment,
+    TextProblem,
+    auto_segments,
+    length_problem,
+    script_problem,
+    text_limit,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +41,15 @@ BEST_CHECKPOINT = "best-valid-loss.pt"
 
 class InputError(ValueError):
     """Bad user input (missing file, unknown symbol, empty text): reported without a traceback."""
+
+
+class TextError(InputError):
+    """A text synthesis refuses (a script its language cannot read, too long): ``field`` is the
+    page's form field it concerns ("text" or "prompt_text")."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(message)
+        self.field = field_name
 
 
 @dataclass
@@ -123,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--use-averaged-model", action="store_true", help="use the checkpoint's averaged weights"
     )
     p.add_argument("--text-tokens", default=None, help="symbol table; default: the checkpoint's")
-    p.add_argument("--language", default="en-us", help="espeak language of --text")
+    p.add_argument("--language", default="en-us",
+                   help="espeak language of --text; auto: each sentence in the language of its "
+                        "script that the checkpoint's symbol table covers (docs/inference.md)")  # fmt: skip
     p.add_argument("--prompt-language", default=None,
                    help="espeak language of --text-prompts (default: --language)")  # fmt: skip
     p.add_argument("--languages", default=None,
@@ -353,6 +374,12 @@ class Synthesizer:
         self.audio_tokenizer = audio_tokenizer
         self.config = dict(checkpoint_config or {})
         self.language_ids = self._language_ids(model, languages or self.config.get("languages"))
+        self.text_limit = text_limit(self.config)
+        self._phoneme_cache: dict[tuple[str, str], list[str]] = {}
+        self.symbols = table
+        # --language auto picks among these (None: the common voices of each script)
+        self.auto_languages = (list(self.language_ids) if self.language_ids is not None
+                               else split_languages(languages or self.config.get("languages")) or None)  # fmt: skip
 
     def _language_ids(self, model, languages) -> dict[str, int] | None:
         """VALL-E X: espeak language -> id, checked against the model and the two languages."""
@@ -374,7 +401,7 @@ class Synthesizer:
             ("--language", self.language),
             ("--prompt-language", self.prompt_language),
         ):
-            if lang not in ids:
+            if lang not in ids and lang != AUTO:
                 raise InputError(
                     f"{flag} {lang}: not one of the model's languages {list(languages)}"
                 )
@@ -385,34 +412,100 @@ class Synthesizer:
 
         if not text.strip():
             return []
+        key = (text, language)
+        if key in self._phoneme_cache:  # text_problem phonemized it already
+            return self._phoneme_cache[key]
         try:
             syms = self.text_tokenizer([text], language=language)[0]
         except TextTokenizationError as e:
             raise InputError(f"{item.name}: {what} ({language}): {e}") from e
         if not syms:
             raise InputError(f"{item.name}: {what} {text!r} gave no phonemes ({language})")
+        if len(self._phoneme_cache) >= 256:
+            self._phoneme_cache.clear()
+        self._phoneme_cache[key] = syms
         return syms
+
+    def _fits(self, piece: str, language: str) -> bool:
+        """--language auto: ``language`` phonemizes ``piece`` into symbols of the checkpoint's table."""
+        from valle.data.text import TextTokenizationError
+
+        try:
+            symbols = self.text_tokenizer.phonemize_one(piece, language)
+        except TextTokenizationError:
+            return False
+        return bool(symbols.symbols) and all(sym in self.symbols for sym in symbols.symbols)
+
+    def _segments(self, text: str, language: str, field_name: str) -> list[Segment] | TextProblem:
+        """The pieces of ``text`` and the language each is said in: one, or with --language auto
+        one or more per sentence (valle/infer_checks.py ``auto_segments``)."""
+        if language != AUTO:
+            return script_problem(text, language, field_name, self.auto_languages if self.language_ids
+                                  is not None else None) or [Segment(text, language)]  # fmt: skip
+        segments: list[Segment] = []
+        for sentence in split_sentences(text) if text.strip() else []:
+            found = auto_segments(sentence, self.auto_languages, self._fits, field_name)
+            if isinstance(found, TextProblem):
+                return found
+            segments += found
+        return segments
+
+    def _said(self, text: str, language: str, field_name: str, item: Item) -> tuple[list[str], list[str]]:
+        """(symbols of ``text``, the language of each): its segments phonemized, word-separated.
+        A refused text raises ``TextError``."""
+        from valle.data.text import WORD_SEP
+
+        segments = self._segments(text, language, field_name)
+        if isinstance(segments, TextProblem):
+            raise TextError(segments.field, f"{item.name}: {segments.message}")
+        symbols: list[str] = []
+        languages: list[str] = []
+        for segment in segments:
+            part = self._phonemes(segment.text, segment.language, field_name.replace("_", " "), item)
+            if symbols and part:
+                symbols.append(WORD_SEP)
+                languages.append(languages[-1])
+            symbols += part
+            languages += [segment.language] * len(part)
+        return symbols, languages
+
+    def text_problem(self, item: Item, split_sentences: bool = False) -> TextProblem | None:
+        """Why ``item`` cannot be synthesised as given (valle/infer_checks.py), or None: letters
+        its languages cannot read, or a text longer than the checkpoint takes in one piece."""
+        for text, language, field_name in ((item.text, self.language, "text"),
+                                           (item.prompt_text, self.prompt_language, "prompt_text")):  # fmt: skip
+            segments = self._segments(text, language, field_name)
+            if isinstance(segments, TextProblem):
+                return segments
+        if item.text.strip():
+            tokens = len(self._said(item.text, self.language, "text", item)[0])
+            return length_problem(tokens, self.text_limit, split_sentences)
+        return None
 
     def _text_tokens(self, items: list[Item], continual: bool):
         """Token ids of BOS + prompt transcript + text + EOS, and the prompt part's lengths.
 
         The prompt's transcript and the text are phonemized separately, each in its own
-        language; a word separator joins them and counts as part of the prompt.
+        language; a word separator joins them and counts as part of the prompt. Also the
+        language of each token (BOS's is the prompt's, EOS's the text's; for ``_text_languages``).
         """
         from valle.data.text import WORD_SEP
 
-        symbols, prompt_lens = [], []
+        symbols, prompt_lens, token_languages = [], [], []
         for item in items:
             if not item.text.strip() and not continual:
                 raise InputError(f"{item.name}: the text to synthesise is empty")
-            prompt = self._phonemes(item.prompt_text, self.prompt_language, "prompt text", item)
-            text = self._phonemes(item.text, self.language, "text", item)
+            prompt, prompt_langs = self._said(item.prompt_text, self.prompt_language, "prompt_text", item)
+            text, text_langs = self._said(item.text, self.language, "text", item)
             if prompt and text:
-                prompt = prompt + [WORD_SEP]
+                prompt, prompt_langs = prompt + [WORD_SEP], prompt_langs + prompt_langs[-1:]
             if not prompt and not text:
                 raise InputError(f"{item.name}: empty text (and empty prompt text)")
             symbols.append(prompt + text)
             prompt_lens.append(len(prompt))
+            bos = prompt_langs[:1] or ([self.prompt_language] if self.prompt_language != AUTO else text_langs[:1])
+            eos = text_langs[-1:] or ([self.language] if self.language != AUTO else prompt_langs[-1:])
+            token_languages.append(bos + prompt_langs + text_langs + eos)
         try:
             tokens, lens = self.collater(symbols, ids=[i.name for i in items])
         except KeyError as e:
@@ -421,21 +514,18 @@ class Synthesizer:
             tokens.to(self.device),
             lens.to(self.device),
             torch.tensor(prompt_lens, device=self.device),
+            token_languages,
         )
 
     def _text_languages(
-        self, tokens: torch.Tensor, prompt_lens: torch.Tensor
+        self, tokens: torch.Tensor, token_languages: list[list[str]]
     ) -> torch.Tensor | None:
-        """Per-token language ids: BOS + the prompt's transcript in its language, the rest in --language."""
+        """Per-token language ids (VALL-E X): each token's language, padding in its row's last."""
         if self.language_ids is None:
             return None
-        cols = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
-        in_prompt = cols < (prompt_lens[:, None] + 1)
-        prompt_id, text_id = (
-            self.language_ids[self.prompt_language],
-            self.language_ids[self.language],
-        )
-        return torch.where(in_prompt, prompt_id, text_id)
+        rows = [[self.language_ids[lang] for lang in langs] for langs in token_languages]
+        width = tokens.shape[1]
+        return torch.tensor([row + row[-1:] * (width - len(row)) for row in rows], device=tokens.device)
 
     def _prompt_codes(self, items: list[Item]):
         from valle.codec.audio import load_audio_24k
@@ -483,8 +573,8 @@ class Synthesizer:
         **decode_kwargs,
     ) -> list[torch.Tensor | Failure]:
         """One (N,) float waveform at 24 kHz per item, or a ``Failure`` for an item that has none."""
-        text, text_lens, prompt_text_lens = self._text_tokens(items, continual)
-        langs = self._text_languages(text, prompt_text_lens)
+        text, text_lens, prompt_text_lens, token_languages = self._text_tokens(items, continual)
+        langs = self._text_languages(text, token_languages)
         prompt, prompt_lens = self._prompt_codes(items)
         vectors = self._code_vectors(nar_decoding)
         if continual:
@@ -539,11 +629,34 @@ def _units(items: list[Item], split: bool) -> list[tuple[int, Item]]:
     return units
 
 
+def check_text(synth: Synthesizer, item: Item, args: argparse.Namespace) -> None:
+    """Raise ``TextError`` when any piece of ``item`` would be refused (the page's check)."""
+    split = args.split_sentences and not args.continual
+    for _, unit in _units([item], split):
+        problem = synth.text_problem(unit, split)
+        if problem is not None:
+            raise TextError(problem.field, f"{unit.name}: {problem.message}")
+
+
+def _refuse_bad_texts(synth: Synthesizer, units: list[tuple[int, Item]], split: bool,
+                      pieces: list[list[torch.Tensor | Failure]]) -> list[tuple[int, Item]]:
+    """The units to decode; each refused one becomes its item's failure (the others go on)."""
+    kept = []
+    for i, unit in units:
+        problem = synth.text_problem(unit, split)
+        if problem is None:
+            kept.append((i, unit))
+        else:
+            pieces[i].append(Failure(unit.name, problem.message))
+    return kept
+
+
 def synthesize_items(synth: Synthesizer, items: list[Item], args: argparse.Namespace) -> RunResult:
     """Decode every item in batches, write its wav, and report the items that failed."""
     kwargs = {} if args.continual else decode_options(args)
-    units = _units(items, args.split_sentences and not args.continual)
+    split = args.split_sentences and not args.continual
     pieces: list[list[torch.Tensor | Failure]] = [[] for _ in items]
+    units = _refuse_bad_texts(synth, _units(items, split), split, pieces)
     bs = max(1, args.batch_size)
     started = time.monotonic()
     for start in range(0, len(units), bs):

@@ -10,8 +10,9 @@ Per part, the cuts (one per supervision) are processed in chunks of ``chunk_size
    finished chunks, so a crash loses at most one chunk.
 
 When every chunk is done the chunk files are joined into ``{prefix}_cuts_{part}.{suffix}``,
-the bad-item report and statistics are written, and the symbol table and corpus text
-statistics shared by parallel jobs are merged under a file lock.
+the bad-item report, statistics and extremes record (``valle.data.extremes``: what the
+trainer's start-up reads instead of a pass over the manifest) are written, and the symbol
+table and corpus text statistics shared by parallel jobs are merged under a file lock.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from valle.data import validation as V
+from valle.data.extremes import Extremes, extremes_path
 from valle.data.progress import Progress
 
 logger = logging.getLogger("tokenizer")
@@ -174,6 +176,16 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def chunk_extremes(meta: dict, chunk_cuts: Path) -> Extremes:
+    """The chunk's extremes record; a chunk finished by an older version (no "extremes" in
+    its meta) is read once more from its cuts file, metadata only."""
+    if "extremes" in meta:
+        return Extremes.from_json(meta["extremes"])
+    from lhotse import CutSet
+
+    return Extremes.of(CutSet.from_jsonl_lazy(chunk_cuts))
+
+
 # ----------------------------------------------------------------------------- audio loading
 class AudioLoadDataset(torch.utils.data.Dataset):
     """Item i: (i, mono float waveform at the codec's rate) or (i, None, reason, detail).
@@ -233,6 +245,7 @@ class PartTokenizer:
             "cuts": o / f"{p}_cuts_{part}.{s}",
             "report": o / f"{p}_bad_cuts_{part}.tsv",
             "stats": o / f"{p}_stats_{part}.json",
+            "extremes": extremes_path(o, p, part),
             "chunks": o / f".{p}_chunks_{part}",
             "storage": o / f"{p}_{self.codec.name}_{part}",
         }
@@ -337,7 +350,8 @@ class PartTokenizer:
         CutSet.from_cuts(encoded).to_file(tmp)
         os.replace(tmp, chunk_cuts)
         meta = {"checked": report.checked, "bad": [[e.cut_id, e.reason, e.detail] for e in report.entries],
-                "symbols": sorted(seen), "stats": stats.to_json()}
+                "symbols": sorted(seen), "stats": stats.to_json(),
+                "extremes": Extremes.of(encoded).to_json()}
         # The meta file is the chunk's "done" marker: written last.
         _atomic_write(paths["chunks"] / f"{index:06d}.json", json.dumps(meta, ensure_ascii=False))
         return meta
@@ -386,7 +400,7 @@ class PartTokenizer:
             progress.close()
         # Join: the report (manifest problems first), statistics, the cuts file (last: it is
         # the "part done" marker), the shared symbol table and text statistics.
-        report, stats, seen = V.ValidationReport(), Stats(), set()
+        report, stats, seen, extremes = V.ValidationReport(), Stats(), set(), Extremes()
         report.extend(load_report)
         for i in range(n_chunks):
             m = metas[i]
@@ -395,8 +409,10 @@ class PartTokenizer:
                 report.add(cut_id, reason, detail)
             seen.update(m["symbols"])
             stats.merge(Stats.from_json(m["stats"]))
+            extremes.merge(chunk_extremes(m, paths["chunks"] / f"{i:06d}.{self.opts.suffix}"))
         report.write(paths["report"])
         _atomic_write(paths["stats"], json.dumps(stats.to_json(), indent=1, ensure_ascii=False))
+        extremes.write(paths["extremes"])
         if self.fixed_table is None:
             added = merge_symbols(self.opts.output_dir / TEXT_TOKENS_FILE, seen)
             logger.info("part %s: %d new symbols in %s", part, added, TEXT_TOKENS_FILE)

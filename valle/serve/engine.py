@@ -31,6 +31,7 @@ from valle.infer import (
     RunResult,
     Synthesizer,
     build_vocos,
+    check_text,
     decode_options,
     load_for_synthesis,
     resolve_vocos,
@@ -140,7 +141,9 @@ class InferBackend:
 
     def synthesize(self, args: argparse.Namespace, item: Item) -> RunResult:
         loaded = self._load(args)
-        return synthesize_items(self._synthesizer(loaded, args), [item], args)
+        synth = self._synthesizer(loaded, args)
+        check_text(synth, item, args)  # a refused text is a 400 on its field, not "no audio"
+        return synthesize_items(synth, [item], args)
 
 
 class WorkQueue:

@@ -155,6 +155,10 @@ def manifest_items(module: Any, count: int) -> list[HeldOutItem]:
     items = []
     for t, p in pair_by_speaker(speakers, count):
         target, prompt = cuts[t], cuts[p]
+        problem = unsayable_text(target, prompt)
+        if problem:
+            logger.warning("validation samples: item %s (prompt %s) skipped: %s", target.id, prompt.id, problem)
+            continue
         said, heard = cut_text_symbols(target), cut_text_symbols(prompt)
         prompt_part = heard + [WORD_SEP] if heard and said else heard
         tokens, lens = collater([prompt_part + said], ids=[target.id])
@@ -168,6 +172,19 @@ def manifest_items(module: Any, count: int) -> list[HeldOutItem]:
             target.id, prompt.id, target.supervisions[0].text, text_tokens, len(prompt_part),
             _codes(prompt), _codes(target), reference=said, languages=languages))
     return items
+
+
+def unsayable_text(target, prompt) -> str:
+    """Why a held-out pair cannot be synthesised as bin/infer.py would (valle/infer_checks.py):
+    a transcript in a script its voice cannot read; "" when it can be."""
+    from valle.infer_checks import script_problem
+
+    for cut, field_name in ((target, "text"), (prompt, "prompt_text")):
+        text, voice = (cut.supervisions[0].text or "" if cut.supervisions else ""), _voice(cut)
+        problem = script_problem(text, voice, field_name) if voice else None  # no voice: not checked
+        if problem is not None:
+            return f"cut {cut.id}: {problem.message}"
+    return ""
 
 
 def _codes(cut) -> torch.Tensor:
