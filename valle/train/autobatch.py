@@ -205,10 +205,14 @@ class Choice:
 
 
 def probe_budget(stepper, meter, source: BudgetSource, budget: float) -> list[Probe]:
+    """Each pessimistic batch at `budget`, run once; says what it found (the search's progress)."""
     probes = []
     for name, batch in source.batches_at(budget).items():
         base, peak = trial_peak(stepper, meter, batch)
         probes.append(Probe(budget, name, BatchShape.of(batch), base, peak))
+    peaks = [p.peak_bytes for p in probes]
+    logger.info("%s auto: probed %g, peak %s", source.flag, budget,
+                "OOM" if None in peaks else describe_bytes(max(peaks, default=0)))
     return probes
 
 

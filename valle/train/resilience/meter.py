@@ -202,22 +202,6 @@ def training_state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimi
     yield from extra
 
 
-def fixed_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of parameters, buffers, gradients (one per trained parameter, whether it
-    exists yet or not) and optimizer state: the memory that does not grow with the batch."""
-    seen: set[int] = set()
-    total = 0
-    for t in training_state_tensors(model, optimizer):
-        key = t.untyped_storage()._cdata
-        if key not in seen:
-            seen.add(key)
-            total += rounded(t.untyped_storage().nbytes())
-    for p in model.parameters():
-        if p.requires_grad and p.grad is None:
-            total += rounded(p.numel() * p.element_size())
-    return total
-
-
 def describe_bytes(nbytes: float) -> str:
     if abs(nbytes) >= GiB:
         return f"{nbytes / GiB:.2f} GiB"
