@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.support.harness import run_world, values
-from tests.support.scenarios import TINY_MODEL, train_worker
+from tests.support.scenarios import TINY_MODEL, agree_worker, train_worker
 from valle.train import autobatch
 from valle.train.autobatch import BatchShape, MemoryModel, Probe, fit_memory_model, largest_budget
 from valle.train.cli import parse_config
@@ -122,6 +122,10 @@ def test_two_ranks_agree_on_the_minimum(tmp_path):
     sizes = {r["summary"]["synthetic_batch_size"] for r in results}
     assert len(sizes) == 1 and sizes.pop() >= 2
     assert all(r["summary"]["oom_events"] == 0 for r in results)
+
+
+def test_every_rank_takes_the_smallest_proposal():
+    assert values(run_world(agree_worker, 3, [40.0, 25.0, 31.0], timeout=120)) == [25.0] * 3
 
 
 def test_auto_on_cpu_needs_a_memory_budget(tmp_path):
