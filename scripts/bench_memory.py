@@ -90,7 +90,7 @@ def bench_auto(size: str, device: str, budget_gb: float, tmp: Path) -> str:
     run = build(size, device, tmp / f"auto-{size}", "--max-duration", "auto",
                 "--memory-budget-gb", str(budget_gb))
     seconds = time.perf_counter() - started
-    chosen = run.cfg.args["autobatch"]
+    chosen = run.cfg.corpus_record["autobatch"]
     return (f"| {size} | {budget_gb:g} | {run.cfg.synthetic_batch_size} | "
             f"{chosen['limit_bytes'] / 2**20:.0f} | {seconds:.1f} |")
 

@@ -78,7 +78,7 @@ def test_the_chosen_budget_is_at_least_90_percent_of_the_largest_that_fits(chose
     chosen = chosen_run.cfg.synthetic_batch_size
     largest = largest_that_fits(chosen_run)
     assert 0.9 * largest <= chosen <= largest, (chosen, largest)
-    assert chosen_run.cfg.args["autobatch"]["budget"] == chosen
+    assert chosen_run.cfg.corpus_record["autobatch"]["budget"] == chosen
 
 
 def test_an_oom_report_gives_the_predicted_peak_beside_the_budget(chosen_run):
@@ -139,8 +139,8 @@ def test_auto_on_cpu_needs_a_memory_budget(tmp_path):
 
 
 def test_max_duration_flag_takes_auto_or_seconds():
-    assert parse_config(["--synthetic-data", "8", "--max-duration", "auto"]).args["max_duration"] == "auto"
-    assert parse_config(["--synthetic-data", "8", "--max-duration", "80"]).args["max_duration"] == 80.0
+    assert parse_config(["--synthetic-data", "8", "--max-duration", "auto"]).data.max_duration == "auto"
+    assert parse_config(["--synthetic-data", "8", "--max-duration", "80"]).data.max_duration == 80.0
     with pytest.raises(SystemExit):
         parse_config(["--synthetic-data", "8", "--max-duration", "lots"])
 

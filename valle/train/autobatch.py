@@ -20,7 +20,6 @@ The budget's unit is the data's: seconds of audio per batch (--max-duration, wit
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 from collections.abc import Callable
@@ -323,7 +322,7 @@ def describe_choice(choice: Choice, source: BudgetSource, budget_bytes: int, res
 
 
 def wants_auto(cfg) -> bool:
-    return cfg.args.get("max_duration") == "auto"
+    return cfg.data.max_duration == "auto"
 
 
 def headroom_of(cfg, meter) -> float:
@@ -336,34 +335,40 @@ def check_auto_flags(cfg, device: torch.device) -> None:
                          "batches may fill (a simulated device of that size)")
 
 
-def provisional_args(cfg, resumed_config: dict | None) -> bool:
-    """Before the data is built; returns whether the budget is still to be chosen. A
+@dataclass
+class Pending:
+    """A budget still to be chosen (a fresh run under auto): the text flag as given, which
+    is re-derived from the chosen seconds."""
+
+    max_text_tokens: int | str | None
+
+
+def provisional_budget(cfg, resumed_config: dict | None) -> Pending | None:
+    """Before the data is built; returns what is still to be chosen (None: nothing). A
     resumed run keeps the budget its checkpoint trained with (its sampler position depends
     on it); a fresh run starts from a budget that holds the longest cut (the data is
     rebuilt once the budget is chosen)."""
     if not wants_auto(cfg):
-        return False
+        return None
     saved = (resumed_config or {}).get("max_duration")
-    cfg.args["max_text_tokens_flag"] = cfg.args.get("max_text_tokens", "auto")
     if isinstance(saved, (int, float)):
-        cfg.args["max_duration"] = float(saved)
+        cfg.data.max_duration = float(saved)
         if cfg.synthetic_data:
             cfg.synthetic_batch_size = int((resumed_config or {}).get(
                 "synthetic_batch_size", cfg.synthetic_batch_size))
         logger.info("--max-duration auto: resuming with the checkpoint's choice (%g; "
                     "--synthetic-batch-size %d)", saved, cfg.synthetic_batch_size)
-        return False
-    cfg.args["max_duration"] = float(cfg.args.get("filter_max_duration") or 20.0)
-    return True
+        return None
+    pending = Pending(cfg.data.max_text_tokens)
+    cfg.data.max_duration = float(cfg.data.filter_max_duration or 20.0)
+    return pending
 
 
 def synthetic_source(cfg, ctx) -> BudgetSource:
+    from valle.train.data import SyntheticData
     from valle.train.synthetic import collate
 
-    data_cfg = replace(cfg, args=dict(cfg.args))
-    from valle.train.data import SyntheticData
-
-    corpus = SyntheticData(data_cfg, ctx).corpus.cuts
+    corpus = SyntheticData(cfg, ctx).corpus.cuts
     by_audio = sorted(corpus, key=lambda c: -len(c["codes"]))
     longest_text = max(corpus, key=lambda c: len(c["text"]))
 
@@ -378,26 +383,29 @@ def synthetic_source(cfg, ctx) -> BudgetSource:
                         lambda b: float(math.floor(b)), float(ctx.world_size))
 
 
-def lhotse_source(cfg, ctx) -> BudgetSource:
+def lhotse_source(cfg, ctx, text_flag: int | str | None) -> BudgetSource:
     from valle.data.datamodule import TtsDataModule
     from valle.train.lhotse_data import pessimistic_batches_of
 
-    longest = float(cfg.args.get("filter_max_duration") or 20.0)
+    longest = float(cfg.data.filter_max_duration or 20.0)
 
     def batches_at(budget: float) -> dict[str, Batch]:
-        args = dict(cfg.args, max_duration=budget, max_text_tokens=cfg.args["max_text_tokens_flag"])
-        return pessimistic_batches_of(TtsDataModule(argparse.Namespace(**args)), ctx)
+        data = replace(cfg.data, max_duration=budget, max_text_tokens=text_flag)
+        module = TtsDataModule(data, seed=cfg.seed, num_languages=cfg.model.num_languages,
+                               prefix_mode=cfg.model.prefix_mode)
+        return pessimistic_batches_of(module, ctx)
 
     return BudgetSource("--max-duration", 2 * longest, batches_at,
                         lambda b: float(math.floor(b)), longest)
 
 
-def choose_batch_budget(run) -> Any:
+def choose_batch_budget(run, pending: Pending) -> Any:
     """Choose, log, apply: returns the data rebuilt at the chosen budget."""
     from valle.train.data import build_train_data
 
     cfg, ctx, stepper, meter = run.cfg, run.ctx, run.stepper, run.meter
-    source = synthetic_source(cfg, ctx) if cfg.synthetic_data else lhotse_source(cfg, ctx)
+    source = (synthetic_source(cfg, ctx) if cfg.synthetic_data
+              else lhotse_source(cfg, ctx, pending.max_text_tokens))
     headroom = headroom_of(cfg, meter)
     reserve = stepper.reserve.nbytes
     limit = usable_bytes(meter.budget_bytes, reserve, headroom)
@@ -406,17 +414,17 @@ def choose_batch_budget(run) -> Any:
     agreed = agree(stepper, choice.budget)
     if cfg.synthetic_data:
         cfg.synthetic_batch_size = int(agreed)
-        cfg.args["synthetic_batch_size"] = int(agreed)
         extra = " cuts per global batch"
     else:
-        cfg.args["max_duration"] = agreed
-        cfg.args["max_text_tokens"] = cfg.args["max_text_tokens_flag"]
+        cfg.data.max_duration = agreed
+        cfg.data.max_text_tokens = pending.max_text_tokens  # derived again from the seconds
         extra = " s"
     data = build_train_data(cfg, ctx, ar_codebook_size=run.model.ar_codebook_size)
     if not cfg.synthetic_data:
-        extra += f" (--max-text-tokens {cfg.args['max_text_tokens']})"
-    cfg.args["autobatch"] = {"budget": agreed, "limit_bytes": limit, "headroom": headroom,
-                             "model": choice.model.coef, "base_bytes": choice.model.base_bytes}
+        extra += f" (--max-text-tokens {cfg.data.max_text_tokens})"
+    cfg.corpus_record["autobatch"] = {
+        "budget": agreed, "limit_bytes": limit, "headroom": headroom,
+        "model": choice.model.coef, "base_bytes": choice.model.base_bytes}
     logger.info("%s", describe_choice(choice, source, meter.budget_bytes, reserve, headroom,
                                       agreed, extra))
     run.memory_model = choice.model

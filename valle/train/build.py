@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 from typing import Any
 
@@ -136,9 +136,10 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
         # the architecture of the weights we start from, whatever the flags say
         initial_weights, hparams = load_model_checkpoint(cfg.start_from)
         architecture = {"config": hparams, "model": {}}
-    model = get_model(model_hparams(cfg, architecture)).to(ctx.device)
+    model = get_model(architecture_hparams(cfg, architecture)).to(ctx.device)
     named = model.stage_parameters(cfg.train_stage)
-    optimizer = build_optimizer(cfg.optimizer_name, named, cfg.base_lr, weight_decay=cfg.weight_decay)
+    optimizer = build_optimizer(cfg.optimizer_name, named, cfg.base_lr, weight_decay=cfg.weight_decay,
+                                **asdict(cfg.optimizer_recipe))
     scheduler = build_scheduler(cfg.scheduler_name, optimizer, cfg.warmup_steps,
                                 total_steps=cfg.max_steps or None, lr_batches=cfg.lr_batches,
                                 lr_epochs=cfg.lr_epochs,
@@ -172,7 +173,7 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
         quarantine=quarantine, channel=ctx.channel,
     )
     # --max-duration auto: a provisional budget until the run can measure (below).
-    choose_budget = autobatch.provisional_args(cfg, (payload or {}).get("config"))
+    pending = autobatch.provisional_budget(cfg, (payload or {}).get("config"))
     # The model's head (a resumed checkpoint's, whatever the flag) must fit the corpus's codebook 0.
     data = build_train_data(cfg, ctx, ar_codebook_size=model.ar_codebook_size)
     run = Run(cfg, ctx, model, optimizer, scheduler, scaler, averager, stepper, data, quarantine,
@@ -191,8 +192,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     # After restore: state created from the weights training starts from.
     stepper.materialize_state()
     attach_meter(run)
-    if choose_budget:  # measured with everything a step holds: state, --compile, reserve
-        run.data = autobatch.choose_batch_budget(run)
+    if pending is not None:  # measured with everything a step holds: state, --compile, reserve
+        run.data = autobatch.choose_batch_budget(run, pending)
     logger.info("model: %.2f M parameters, %.2f M trained in stage %d; grad sync %s; %d rank(s) on %s",
                 sum(p.numel() for p in model.parameters()) / 1e6,
                 sum(p.numel() for _, p in named) / 1e6, cfg.train_stage, cfg.grad_sync,
@@ -215,21 +216,17 @@ def attach_meter(run: Run) -> None:
     run.stepper.reporter.meter = meter
 
 
-def model_hparams(cfg: TrainConfig, payload: dict | None):
-    """Model hyper-parameters: the flags, or a checkpoint's when resuming (old
-    checkpoints included: keys they predate take the values they were trained with)."""
-    import argparse
-
-    from valle.models import add_model_arguments
+def architecture_hparams(cfg: TrainConfig, payload: dict | None) -> dict[str, Any]:
+    """The model's hyper-parameters: the flags (``cfg.model``), or a checkpoint's when resuming
+    or starting from one (old checkpoints included: keys they predate take the values they were
+    trained with); the training-loss settings stay the flags'."""
     from valle.models.convert import ours_hparams
 
-    defaults = argparse.ArgumentParser(add_help=False)
-    add_model_arguments(defaults)
-    values = {**vars(defaults.parse_args([])), **cfg.args}
+    values = cfg.model.hparams()
     if payload is not None:
-        # Resuming: the architecture is the checkpoint's, whatever the flags say.
+        # The architecture is the checkpoint's, whatever the flags say.
         values.update(ours_hparams(payload.get("config", {}), payload["model"]))
-    return argparse.Namespace(**values)
+    return values
 
 
 def start_from(run: Run, state: dict[str, torch.Tensor]) -> None:

@@ -245,10 +245,10 @@ def training_peak(run: Run) -> int:
 
 def record_memory(run: Run, summary: TrainSummary) -> None:
     """The summary's memory facts: the batch budget used, the memory budget, the peak."""
-    args = run.cfg.args
-    summary.max_duration = args.get("max_duration") if not run.cfg.synthetic_data else None
-    summary.max_text_tokens = args.get("max_text_tokens") if not run.cfg.synthetic_data else None
-    summary.synthetic_batch_size = run.cfg.synthetic_batch_size if run.cfg.synthetic_data else None
+    cfg = run.cfg
+    summary.max_duration = None if cfg.synthetic_data else cfg.data.max_duration
+    summary.max_text_tokens = None if cfg.synthetic_data else cfg.data.max_text_tokens
+    summary.synthetic_batch_size = cfg.synthetic_batch_size if cfg.synthetic_data else None
     summary.memory_budget_bytes = int(run.meter.budget_bytes)
     summary.peak_memory_bytes = int(training_peak(run))
     summary.oom_events = sum(int(e.get("oom_events", 0)) for e in summary.epochs)
