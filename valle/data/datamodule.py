@@ -1,5 +1,12 @@
 """TtsDataModule: lazy tokenized manifests -> filtered cuts -> bucketing sampler -> batches.
 
+Start-up reads no more of a part than its extremes record (``valle.data.extremes``, written
+by bin/tokenizer.py next to the cuts file): the bucket bins come from its bounded sample, an
+empty result is caught from its duration bins, the pessimistic batches from its worst cuts
+(``valle.data.pessimistic``), and the cuts the filters remove are listed as training meets
+them. A part without a record (tokenized by an older version) gets the old pass over its
+manifest, with a warning saying how to write the record.
+
 Mid-epoch resume: the state is (epoch, batches consumed by the trainer, world size, seed).
 Restoring rebuilds the same sampler, sets the epoch and skips the consumed batches without
 loading any features, so no cut is repeated or skipped (``valle.data.loader``).
@@ -158,7 +165,8 @@ class TtsDataModule:
         if cfg.max_text_tokens == "auto":
             resolve_max_text_tokens(cfg)
         self.filter_report = V.ValidationReport()
-        self._kept: dict[str, int] = {}  # cuts the filters kept, per part
+        self._kept: dict[str, int] = {}  # cuts the filters kept, per part read with a pass
+        self._extremes: dict[str, Any] = {}  # part -> its Extremes record, or None
         self._train_loader: ResumableLoader | None = None
         self._languages: list[str] | None = None  # resolved once by languages()
 
@@ -230,31 +238,105 @@ class TtsDataModule:
         flags = f"--max-duration {self.cfg.max_duration:g} / --max-text-tokens {self.cfg.max_text_tokens}"
         return V.CutFilter(self.cfg.filter_min_duration, self.cfg.filter_max_duration, self.constraint(), flags)
 
+    def extremes(self, part: str):
+        """The part's extremes record, or None (none written, or older than the cuts file:
+        the cuts changed since; said in a warning naming the command that writes it)."""
+        if part in self._extremes:
+            return self._extremes[part]
+        from valle.data.extremes import Extremes, extremes_path
+
+        path = extremes_path(self.cfg.manifest_dir, self.cfg.dataset, part)
+        cuts = self.cuts_path(part)
+        record = None
+        if path.is_file() and path.stat().st_mtime >= cuts.stat().st_mtime:
+            record = Extremes.read(path)
+        else:
+            why = "is older than the cuts file" if path.is_file() else "does not exist"
+            logger.warning("%s %s (a corpus tokenized before bin/tokenizer.py wrote it, or cuts edited "
+                           "since): start-up makes a pass over %s instead (slow for a large part); "
+                           "write it once with: python -m valle.data.recipe extremes %s",
+                           path, why, cuts.name, cuts)
+        self._extremes[part] = record
+        return record
+
     def load_cuts(self, part: str):
         """Lazy cuts of ``part`` filtered by duration and by the batch budget. Every removed cut
-        is recorded in ``self.filter_report`` (written next to the checkpoints by the trainer).
-        A first pass over the manifest counts what the filters keep, so an empty result stops
-        here with the name of the filter instead of as an empty epoch later."""
+        is recorded in ``self.filter_report`` (written next to the checkpoints by the trainer)
+        as the sampler meets it. An empty result stops here with the name of the filter, when
+        the extremes record shows it (its duration bins: no pass), else as an empty epoch."""
         from lhotse import CutSet
 
         cuts = CutSet.from_jsonl_lazy(self.cuts_path(part))
         cut_filter = self.cut_filter()
+        record = self.extremes(part)
+        what = f"cuts of {self.cfg.dataset} {part}"
+        if record is None:
+            return cuts.filter(self._count_kept(part, cuts, cut_filter, what))
+        if not any(cut_filter.problem_of(e.duration, e.text_tokens + cut_filter.constraint.extra_tokens) is None
+                   for e in record.all_entries()):
+            _raise_if_bins_all_removed(record, cut_filter, what)
+        self.filter_report.checked += record.count
+        return cuts.filter(V.ReportingFilter(cut_filter, self.filter_report))
+
+    def _count_kept(self, part: str, cuts, cut_filter: V.CutFilter, what: str):
+        """Without a record: a pass over the manifest counts and reports what the filters
+        keep (the sampler's bucket count needs the number). Returns the predicate to apply."""
         report = V.ValidationReport()
-        keep_ids = set()
+        kept = 0
         for cut in cuts:
             report.checked += 1
             bad = cut_filter.problem(cut)
             if bad is None:
-                keep_ids.add(cut.id)
+                kept += 1
             else:
                 report.add(cut.id, *bad)
         if report.entries:
             logger.warning("%s: filters removed %d of %d cuts (%s)", part, len(report), report.checked,
                            report.counts)
-        V.raise_if_nothing_left(len(keep_ids), report, cut_filter.min_duration, cut_filter.max_duration, what=f"cuts of {self.cfg.dataset} {part}")
+        V.raise_if_nothing_left(kept, report, cut_filter.min_duration, cut_filter.max_duration, what=what)
         self.filter_report.extend(report)
-        self._kept[part] = len(keep_ids)
-        return cuts.filter(_KeepIds(keep_ids))
+        self._kept[part] = kept
+        return cut_filter.keeps
+
+    def bucketing(self, part: str, constraint) -> dict[str, Any]:
+        """The sampler's bucket arguments: bins from the record's sample of the part (the
+        cuts the filters keep), else lhotse's estimate from the manifest's first cuts."""
+        record = self.extremes(part)
+        if record is None:
+            # lhotse refuses more buckets than cuts (a small dev set); one bucket below two cuts.
+            buckets = min(self.cfg.num_buckets, self._kept[part])
+            return {"num_buckets": buckets} if buckets >= 2 else {"duration_bins": [1e9]}
+        return {"duration_bins": self._sample_bins(record, constraint)}
+
+    def _sample_bins(self, record, constraint) -> list[float]:
+        from valle.data.sampling import bucket_bins
+
+        cut_filter = self.cut_filter()
+        durations = [d for d, t in record.sample_pairs()
+                     if cut_filter.problem_of(d, t + constraint.extra_tokens) is None]
+        return bucket_bins(durations, self.cfg.num_buckets, constraint)
+
+    def train_extremes(self):
+        """The training data's extremes record: the train part's, or with --shar-dir the
+        records in the Shar directories merged (read once); None without one."""
+        if not self.cfg.shar_dir:
+            return self.extremes(self.cfg.train_part)
+        if "--shar-dir" not in self._extremes:
+            from valle.data.shar import shar_extremes
+
+            self._extremes["--shar-dir"] = shar_extremes(self.cfg.shar_dir)
+        return self._extremes["--shar-dir"]
+
+    def worst_batches(self) -> dict[str, tuple[float, list]] | None:
+        """Per pessimistic-scan criterion, (score, cuts) of the worst batch the training data
+        can form, from its extremes record (``valle.data.pessimistic``: no pass); None without
+        a record, or when the filters keep none of its cuts."""
+        record = self.train_extremes()
+        if record is None:
+            return None
+        from valle.data.pessimistic import worst_batches
+
+        return worst_batches(record, self.cut_filter()) or None
 
     def _loader(self, part: str, rank: int, world_size: int, shuffle: bool, drop_last: bool,
                 prompts: bool) -> ManifestLoader:
@@ -267,11 +349,8 @@ class TtsDataModule:
         cuts = self.load_cuts(part)
         seed = self.seed
         constraint = self.constraint()
-        # lhotse refuses more buckets than cuts (a small dev set); one bucket below two cuts.
-        buckets = min(self.cfg.num_buckets, self._kept[part])
-        bucketing = {"num_buckets": buckets} if buckets >= 2 else {"duration_bins": [1e9]}
         sampler = DynamicBucketingSampler(
-            cuts, constraint=constraint, **bucketing, shuffle=shuffle,
+            cuts, constraint=constraint, **self.bucketing(part, constraint), shuffle=shuffle,
             drop_last=drop_last, buffer_size=self.cfg.buffer_size, seed=seed,
             world_size=world_size, rank=rank,
         )
@@ -295,11 +374,12 @@ class TtsDataModule:
         shards = find_shards(self.cfg.shar_dir)
         seed = self.seed
         cut_filter = self.cut_filter()
+        record = self.train_extremes()
         data = SharTrainSet(
             shards, SpeechSynthesisDataset(get_text_token_collater(self.text_tokens_path()),
                                            languages=self.languages()), cut_filter.constraint,
             rank, world_size, seed, self.cfg.shuffle, self.cfg.num_buckets, self.cfg.buffer_size,
-            cut_filter,
+            cut_filter, None if record is None else self._sample_bins(record, cut_filter.constraint),
         )
         logger.info("training from %d Shar shard(s) in %s; rank %d of %d reads every %d-th",
                     len(shards), self.cfg.shar_dir, rank, world_size,
@@ -345,11 +425,18 @@ class TtsDataModule:
         return None if self._train_loader is None else self._train_loader.state_dict()
 
 
-class _KeepIds:
-    """Picklable filter predicate (a lambda would block DataLoader workers)."""
-
-    def __init__(self, ids: set[str]) -> None:
-        self.ids = ids
-
-    def __call__(self, cut) -> bool:
-        return cut.id in self.ids
+def _raise_if_bins_all_removed(record, cut_filter: V.CutFilter, what: str) -> None:
+    """No recorded cut passes the filters: stop naming the filter when every duration bin
+    lies wholly outside the duration bounds (each bin's recorded shortest and longest cuts
+    are its true ones). Otherwise the record cannot tell, and training will."""
+    counts: dict[str, int] = {}
+    for b in record.bins.values():
+        shortest, longest = b.best["shortest"][0].duration, b.best["longest"][0].duration
+        if shortest > cut_filter.max_duration:
+            counts[V.TOO_LONG] = counts.get(V.TOO_LONG, 0) + b.count
+        elif longest < cut_filter.min_duration:
+            counts[V.TOO_SHORT] = counts.get(V.TOO_SHORT, 0) + b.count
+        else:
+            return
+    V.raise_nothing_left(dict(sorted(counts.items())), record.count, cut_filter.min_duration,
+                         cut_filter.max_duration, what=what)

@@ -453,7 +453,6 @@ class PartTokenizer:
             extremes.merge(chunk_extremes(m, paths["chunks"] / f"{i:06d}.{self.opts.suffix}"))
         report.write(paths["report"])
         _atomic_write(paths["stats"], json.dumps(stats.to_json(), indent=1, ensure_ascii=False))
-        extremes.write(paths["extremes"])
         if self.fixed_table is None:
             added = merge_symbols(self.opts.output_dir / TEXT_TOKENS_FILE, seen)
             logger.info("part %s: %d new symbols in %s", part, added, TEXT_TOKENS_FILE)
@@ -468,6 +467,8 @@ class PartTokenizer:
                 for cut in CutSet.from_jsonl_lazy(paths["chunks"] / f"{i:06d}.{self.opts.suffix}"):
                     writer.write(cut)
         os.replace(tmp, paths["cuts"])
+        # After the cuts file: the trainer takes a record older than its cuts for a stale one.
+        extremes.write(paths["extremes"])
         shutil.rmtree(paths["chunks"], ignore_errors=True)
         return report, stats
 

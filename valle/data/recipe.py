@@ -19,10 +19,12 @@ import gzip
 import json
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
 from valle.data import validation as V
+from valle.data.extremes import Extremes, extremes_path_of
 from valle.data.manifests import ManifestError
 
 logger = logging.getLogger("recipe")
@@ -62,7 +64,7 @@ class _Writer:
 def combine(output: Path, inputs: list[Path]) -> V.ValidationReport:
     """Concatenate cut manifests (one input is fine). A cut id seen before is dropped and
     reported: a duplicated cut would train twice per epoch."""
-    report, seen = V.ValidationReport(), set()
+    report, seen, record = V.ValidationReport(), set(), Extremes()
     writer = _Writer(output)
     try:
         for path in inputs:
@@ -73,10 +75,12 @@ def combine(output: Path, inputs: list[Path]) -> V.ValidationReport:
                     continue
                 seen.add(cut["id"])
                 writer.write(cut)
+                record.add_dict(cut)
     except BaseException:
         writer.discard()
         raise
     writer.finish()
+    _write_extremes(output, record)
     for e in report.entries:
         print(f"combine: dropped {e.cut_id}: {e.reason} ({e.detail})")
     print(f"combine: {len(seen)} cuts from {len(inputs)} manifest(s) -> {output}; {report.summary()}")
@@ -93,10 +97,12 @@ def split(all_path: Path, output_dir: Path, prefix: str, num_dev: int, num_test:
     if Path(all_path).resolve() in {p.resolve() for p in paths.values()}:
         raise ManifestError(f"{all_path}: split would overwrite its own input (choose another --prefix)")
     writers = {k: _Writer(p) for k, p in paths.items()}
+    records = {k: Extremes() for k in paths}
     try:
         for i, cut in enumerate(_iter(all_path)):
             part = "dev" if i < num_dev else "test" if i < num_dev + num_test else rest
             writers[part].write(cut)
+            records[part].add_dict(cut)
             counts[part] += 1
         if counts[rest] == 0:
             raise ManifestError(f"{all_path}: only {sum(counts.values())} cuts, cannot hold out "
@@ -105,10 +111,19 @@ def split(all_path: Path, output_dir: Path, prefix: str, num_dev: int, num_test:
         for w in writers.values():
             w.discard()
         raise
-    for w in writers.values():
+    for part, w in writers.items():
         w.finish()
+        _write_extremes(paths[part], records[part])
     print(f"split: {counts} -> {output_dir}")
     return counts
+
+
+def _write_extremes(cuts_path: Path, record: Extremes) -> None:
+    """The cuts file's extremes record (what the trainer's start-up reads instead of a pass
+    over it), written after the cuts file as bin/tokenizer.py writes it."""
+    path = extremes_path_of(cuts_path)
+    if path is not None:
+        record.write(path)
 
 
 def describe(path: Path) -> dict:
@@ -163,6 +178,11 @@ def shar(path: Path, out_dir: Path, shard_size: int) -> list[str]:
     if not Path(path).is_file():
         raise ManifestError(f"{path}: no such cut manifest")
     files = export_shar(Path(path), Path(out_dir), shard_size)
+    record = extremes_path_of(path)
+    if record is not None and record.is_file():
+        # beside the shard dir, where the trainer's --shar-dir looks for it (valle/data/shar.py)
+        prefix = record.name.split("_extremes_")[0]
+        shutil.copyfile(record, Path(out_dir).parent / f"{prefix}_extremes_{Path(out_dir).name}.json")
     print(f"shar: {path} -> {out_dir} ({sum(1 for f in files if '/cuts.' in f)} shard(s))")
     return files
 
@@ -170,14 +190,10 @@ def shar(path: Path, out_dir: Path, shard_size: int) -> list[str]:
 def extremes_of_manifest(path: Path) -> Path:
     """``{prefix}_extremes_{part}.json`` for ``{prefix}_cuts_{part}.jsonl.gz``: where the trainer
     looks for the part's extremes record (``valle.data.extremes``)."""
-    from valle.data.extremes import extremes_path
-
-    name = Path(path).name
-    prefix, sep, rest = name.partition("_cuts_")
-    part = rest.split(".")[0]
-    if not (sep and prefix and part):
+    out = extremes_path_of(path)
+    if out is None:
         raise ManifestError(f"{path}: not named {{prefix}}_cuts_{{part}}.jsonl.gz: no extremes record name for it")
-    return extremes_path(Path(path).parent, prefix, part)
+    return out
 
 
 def write_extremes(path: Path) -> Path:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from valle.data.collation import num_text_tokens
 from valle.data.datamodule import TtsDataModule
 from valle.data.loader import ManifestLoader, ResumableLoader
 from valle.train.batching import Batch
@@ -15,17 +14,6 @@ from valle.train.dist import DistContext
 from valle.train.sampler_state import pick_rank_state, sampler_payload
 
 logger = logging.getLogger(__name__)
-
-# lhotse's find_pessimistic_batches criteria, plus the text ones: text that
-# phonemizes into long sequences is what blew up memory in the reference
-# discussion, and duration alone does not see it.
-CRITERIA: dict[str, Callable[[Any], float]] = {
-    "single_longest_cut": lambda cuts: max(c.duration for c in cuts),
-    "largest_batch_cuts_duration": lambda cuts: sum(c.duration for c in cuts),
-    "max_num_cuts": lambda cuts: len(cuts),
-    "single_longest_text": lambda cuts: max(num_text_tokens(c) for c in cuts),
-    "largest_batch_text_tokens": lambda cuts: len(cuts) * max(num_text_tokens(c) for c in cuts),
-}
 
 
 class LhotseTrainData:
@@ -58,15 +46,29 @@ class LhotseTrainData:
             self.valid.pin_memory = self.train.pin_memory
         except FileNotFoundError as e:
             logger.warning("no validation data: %s", e)
-        if ctx.is_main and self.module.filter_report.entries:
-            path = cfg.exp_dir / "filtered-cuts.tsv"
-            self.module.filter_report.write(path)
-            logger.info("cuts removed by the filters: %s (listed in %s)",
-                        self.module.filter_report.summary(), path)
+        self._filtered_written = 0  # entries of the filter report already in filtered-cuts.tsv
+        self.write_filter_report()
+
+    def write_filter_report(self) -> None:
+        """``<exp-dir>/filtered-cuts.tsv``: the cuts the filters removed so far (all of them
+        at start when a part had no extremes record and was read with a pass; otherwise as
+        the sampler meets them). Rewritten when it grew: at start, each epoch's end, and with
+        each checkpoint."""
+        report = self.module.filter_report
+        if not self.ctx.is_main or len(report) == self._filtered_written:
+            return
+        path = self.cfg.exp_dir / "filtered-cuts.tsv"
+        report.write(path)
+        self._filtered_written = len(report)
+        logger.info("cuts removed by the filters: %s (listed in %s)", report.summary(), path)
 
     def train_batches(self, epoch: int) -> Iterator[Batch]:
         self.train.set_epoch(epoch)
-        return self._readable(iter(self.train), self._unreadable)
+        return self._reporting(self._readable(iter(self.train), self._unreadable))
+
+    def _reporting(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        yield from batches
+        self.write_filter_report()  # the epoch met every cut the filters remove
 
     def valid_batches(self) -> Iterator[Batch]:
         unreadable: list[dict[str, str]] = []
@@ -92,9 +94,12 @@ class LhotseTrainData:
         return taken
 
     def pessimistic_batches(self) -> dict[str, Batch]:
-        return pessimistic_batches_of(self.module, self.ctx)
+        """The worst batch per criterion: built from the extremes record (no pass; the same
+        batches on every rank), or without one from a pass over this rank's batches."""
+        return pessimistic_batches_of(self.module, self.ctx, self.train.dataset)
 
     def state_dict(self, ctx: DistContext, next_epoch: bool = False) -> dict[str, Any]:
+        self.write_filter_report()  # with each checkpoint
         return sampler_payload(self.train.state_dict(), ctx, next_epoch, "batches_consumed")
 
     def load_state_dict(self, state: dict[str, Any], ctx: DistContext) -> None:
@@ -104,15 +109,19 @@ class LhotseTrainData:
         return None  # a lazy manifest does not know its length without a pass
 
 
-def pessimistic_batches_of(module: TtsDataModule, ctx: DistContext) -> dict[str, Batch]:
-    """One pass over this rank's batches (metadata only), the worst per criterion."""
-    from tqdm import tqdm
+def pessimistic_batches_of(module: TtsDataModule, ctx: DistContext, dataset: Any = None
+                           ) -> dict[str, Batch]:
+    """The worst batch per criterion of `module`'s training data, collated by `dataset` (the
+    train loader's; None: the scan's): from the extremes record, else by a pass over this
+    rank's batches (metadata only). --max-duration auto calls it at several budgets."""
+    worst = module.worst_batches()
+    if worst is None or dataset is None:
+        from tqdm import tqdm
 
-    batches, dataset = module.scan_batches(ctx.rank, ctx.world_size)
-    best: dict[str, tuple[float, Any]] = {}
-    for cuts in tqdm(batches, desc="scanning for pessimistic batches", disable=not ctx.is_main):
-        for name, score in CRITERIA.items():
-            value = score(cuts)
-            if name not in best or value > best[name][0]:
-                best[name] = (value, cuts)
-    return {f"{name} ({value:.1f})": dataset[cuts] for name, (value, cuts) in best.items()}
+        from valle.data.pessimistic import worst_of
+
+        batches, dataset = module.scan_batches(ctx.rank, ctx.world_size)
+        if worst is None:
+            worst = worst_of(tqdm(batches, desc="scanning for pessimistic batches",
+                                  disable=not ctx.is_main))
+    return {f"{name} ({value:.1f})": dataset[cuts] for name, (value, cuts) in worst.items()}
