@@ -22,10 +22,11 @@ def test_checkpoint_config_keeps_every_key_and_value_of_before():
     expected = dict(BEFORE["config"])
     # The one difference: the model's name as ModelConfig reads it (it always lowercased it).
     assert expected.pop("model_name") == "VALLE" and config.pop("model_name") == "valle"
-    # Flags added since (issue #41's LoRA fine-tuning), at their defaults.
-    added = {k: config.pop(k) for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")}
-    assert added == {"lora_rank": 0, "lora_alpha": 16.0, "lora_dropout": 0.0,
-                     "lora_targets": ["attn", "ffn"]}
+    # Flags added since, new keys at their defaults: --max-duration auto (issue #39), LoRA
+    # fine-tuning (issue #41).
+    added = {"memory_budget_gb": 0.0, "memory_headroom": -1.0, "activation_checkpointing": False,
+             "lora_rank": 0, "lora_alpha": 16.0, "lora_dropout": 0.0, "lora_targets": ["attn", "ffn"]}
+    assert {k: config.pop(k) for k in added} == added
     assert config == expected
     json.dumps(config)  # plain types only
 

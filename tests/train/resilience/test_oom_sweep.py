@@ -26,6 +26,10 @@ CONFIGS = [
     SweepConfig(world_size=2, scaler=False, failing="some", fault_step=1, scenario="repair"),
     # LoRA adapters on a frozen base: only they are bucketed, updated, averaged and repaired
     SweepConfig(world_size=2, scaler=False, failing="all", fault_step=1, scenario="lora"),
+    # activation checkpointing: the recomputation allocates inside backward (every rank
+    # failing: rank 0's census has the checkpoint save)
+    SweepConfig(world_size=2, scaler=False, failing="all", fault_step=1,
+                model_flags=("--activation-checkpointing",)),
 ]
 
 
