@@ -18,7 +18,8 @@ handled by key masks and per-row positions, never by per-row Python loops.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -64,9 +65,6 @@ class _VALLEBase(nn.Module):
         nar_heads = max(1, int(c.nhead * c.scale_factor))
         nar_layers = max(1, int(c.num_decoder_layers * c.scale_factor))
         self.ar_dim, self.nar_dim = d, nar_d
-        # Entered around the NAR forward only: the trainer sets it to hold its NAR
-        # backward reserve there (valle.train.resilience.memory.BackwardReserve).
-        self.nar_forward_context = nullcontext
         # Codebook 0's codes are 0..K-1. The AR's classes are those K codes and EOS (class K;
         # BOS is row K+1 of the input table): a codec whose first codebook is small (the demo's
         # mel-rvq, 128 codes) then costs a K+1-wide head, not 1025 (docs/inference.md). Outside
@@ -315,10 +313,13 @@ class _VALLEBase(nn.Module):
         prompt_features: torch.Tensor | None = None,
         prompt_features_lens: torch.Tensor | None = None,
         text_languages: torch.Tensor | None = None,
+        nar_context: Callable[[], AbstractContextManager] = nullcontext,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Summed cross entropy (AR + NAR) and detached sum metrics for this batch.
 
         ``text_languages``: language ids (B,) or (B, S), required when --num-languages > 0.
+        ``nar_context``: entered around the NAR forward only; the trainer holds its NAR
+        backward reserve there (valle.train.resilience.memory.BackwardReserve).
         """
         if train_stage not in (0, 1, 2):
             raise ValueError(f"train_stage must be 0, 1 or 2, got {train_stage}")
@@ -337,7 +338,7 @@ class _VALLEBase(nn.Module):
             loss = loss + ar + (guided if guided is not None else 0.0)
             metrics.update(ar_loss=ar.detach(), ar_top10_correct=correct, ar_frames=frames)
         if train_stage in (0, 2) and self.num_quantizers > 1:
-            with self.nar_forward_context():
+            with nar_context():
                 nar, correct, frames = nar_loss(
                     self, text_tokens, text_valid, audio_features, audio_features_lens,
                     sample_seeds, prompt_features, prompt_features_lens, langs,
@@ -388,7 +389,7 @@ class _VALLEBase(nn.Module):
           transcript. Prefix modes 2 and 4 need it: their NAR was trained on the target
           text alone, so it is given BOS + the text to say + EOS (as in lifeiteng).
         * ``code_vectors``: one (K_j, D) tensor per codebook, the codec's vector of each code
-          (``code_vectors()`` of the codecs in valle/codec and valle/data/audio.py). Given,
+          (``code_vectors()`` of valle/codec/encodec.py and valle/codec/mel_rvq.py). Given,
           the NAR picks in codebooks 1..Q-1 the code nearest the expected vector under its
           distribution (``nearest_to_expectation``) instead of the most likely code.
         """
