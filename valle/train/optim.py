@@ -372,19 +372,6 @@ class ScaledAdam(ResumableUpdate, Optimizer):
         p.copy_(new_p)
         state["step"] = state["step"] + 1
 
-    def _chunk_grads(self, params: list[Tensor], factor: Tensor | None) -> list[Tensor]:
-        """The chunk's fp32 (clipped) gradients as views of one new flat buffer: the same
-        elementwise arithmetic as _fp32_grad, in three kernels instead of 2-3 per
-        parameter; p.grad (a view into the sync buffer) is only read."""
-        flat = torch.cat([(p.grad if p.grad is not None
-                           else torch.zeros_like(p, dtype=torch.float32)).reshape(-1).float()
-                          for p in params])
-        if factor is not None:
-            flat.mul_(factor)
-            # factor is 0 when the norm is not finite, and inf*0 = nan.
-            torch.nan_to_num_(flat, nan=0.0, posinf=0.0, neginf=0.0)
-        return [g.view_as(p) for g, p in zip(flat.split([p.numel() for p in params]), params)]
-
     def _step_chunk(self, group: dict, params: list[Tensor], factor: Tensor | None) -> None:
         """The update of a chunk of tensor parameters (all at the same step), with
         multi-tensor kernels; the per-parameter scalars (RMS, size statistics) are
@@ -395,7 +382,7 @@ class ScaledAdam(ResumableUpdate, Optimizer):
         step = states[0]["step"]
         beta1, beta2 = group["betas"]
         period = group["size_update_period"]
-        grads = self._chunk_grads(params, factor)
+        grads = _chunk_fp32_grads(params, factor)
         pf = [p.float() for p in params]  # p itself when fp32
         # Prepare: every new value out of place ...
         new_delta = torch._foreach_mul([s["delta"] for s in states], beta1)
@@ -409,7 +396,7 @@ class ScaledAdam(ResumableUpdate, Optimizer):
             torch._foreach_mul_(norms, [p.numel() ** -0.5 for p in params])
             rms = new_rms = torch.stack(norms)
             if step > 0:
-                new_size = self._size_update_chunk(group, pf, states, scale_grads, rms, new_delta)
+                new_size = _size_update_chunk(group, pf, states, scale_grads, rms, new_delta)
         new_sq = torch._foreach_mul([s["exp_avg_sq"] for s in states], beta2)
         torch._foreach_addcmul_(new_sq, grads, grads, value=1 - beta2)
         bias_correction2 = 1 - beta2 ** (step + 1)
@@ -438,29 +425,6 @@ class ScaledAdam(ResumableUpdate, Optimizer):
         for s, delta, sq in zip(states, new_delta, new_sq):
             s["delta"], s["exp_avg_sq"], s["step"] = delta, sq, step + 1
 
-    def _size_update_chunk(self, group: dict, pf: list[Tensor], states: list[dict],
-                           scale_grads: Tensor, param_rms: Tensor,
-                           new_delta: list[Tensor]) -> Tensor:
-        """Learn each tensor's overall size from the accumulated ``sum(p * grad)``, on
-        (n,) vectors; adds to new_delta in place, returns the new scale_exp_avg_sq."""
-        beta1, beta2 = group["betas"]
-        size_lr = group["lr"] * group["scalar_lr_scale"]
-        period = scale_grads.shape[1]
-        beta2_corr = beta2**period
-        scale_exp_avg_sq = torch.stack([s["scale_exp_avg_sq"] for s in states]) * beta2_corr
-        scale_exp_avg_sq.add_(scale_grads.pow(2).mean(dim=1), alpha=1 - beta2_corr)
-        size_step = (states[0]["step"] + 1) // period
-        bias_correction2 = 1 - beta2_corr**size_step
-        denom = scale_exp_avg_sq.sqrt() + group["eps"]
-        scale_step = -size_lr * (bias_correction2**0.5) * scale_grads.sum(dim=1) / denom
-        scale_step = torch.where(param_rms < group["param_min_rms"],
-                                 torch.zeros_like(scale_step), scale_step)
-        scale_step = torch.where(param_rms > group["param_max_rms"],
-                                 torch.full_like(scale_step, -size_lr * period), scale_step)
-        torch._foreach_add_(new_delta, torch._foreach_mul(pf, list(scale_step.unbind(0))),
-                            alpha=1 - beta1)
-        return scale_exp_avg_sq
-
     def _scalar_update(self, group: dict, grad: Tensor, state: dict) -> tuple[Tensor, Tensor]:
         beta1, beta2 = group["betas"]
         lr = group["lr"] * group["scalar_lr_scale"]
@@ -475,6 +439,43 @@ class ScaledAdam(ResumableUpdate, Optimizer):
         layout is fixed from the start (an in-place repair broadcast needs that)."""
         for group in self.param_groups:
             self._init_group_state(group)
+
+
+def _chunk_fp32_grads(params: list[Tensor], factor: Tensor | None) -> list[Tensor]:
+    """The chunk's fp32 (clipped) gradients as views of one new flat buffer: the same
+    elementwise arithmetic as _fp32_grad, in three kernels instead of 2-3 per
+    parameter; p.grad (a view into the sync buffer) is only read."""
+    flat = torch.cat([(p.grad if p.grad is not None
+                       else torch.zeros_like(p, dtype=torch.float32)).reshape(-1).float()
+                      for p in params])
+    if factor is not None:
+        flat.mul_(factor)
+        # factor is 0 when the norm is not finite, and inf*0 = nan.
+        torch.nan_to_num_(flat, nan=0.0, posinf=0.0, neginf=0.0)
+    return [g.view_as(p) for g, p in zip(flat.split([p.numel() for p in params]), params)]
+
+
+def _size_update_chunk(group: dict, pf: list[Tensor], states: list[dict], scale_grads: Tensor,
+                       param_rms: Tensor, new_delta: list[Tensor]) -> Tensor:
+    """Learn each tensor's overall size from the accumulated ``sum(p * grad)``, on
+    (n,) vectors; adds to new_delta in place, returns the new scale_exp_avg_sq."""
+    beta1, beta2 = group["betas"]
+    size_lr = group["lr"] * group["scalar_lr_scale"]
+    period = scale_grads.shape[1]
+    beta2_corr = beta2**period
+    scale_exp_avg_sq = torch.stack([s["scale_exp_avg_sq"] for s in states]) * beta2_corr
+    scale_exp_avg_sq.add_(scale_grads.pow(2).mean(dim=1), alpha=1 - beta2_corr)
+    size_step = (states[0]["step"] + 1) // period
+    bias_correction2 = 1 - beta2_corr**size_step
+    denom = scale_exp_avg_sq.sqrt() + group["eps"]
+    scale_step = -size_lr * (bias_correction2**0.5) * scale_grads.sum(dim=1) / denom
+    scale_step = torch.where(param_rms < group["param_min_rms"],
+                             torch.zeros_like(scale_step), scale_step)
+    scale_step = torch.where(param_rms > group["param_max_rms"],
+                             torch.full_like(scale_step, -size_lr * period), scale_step)
+    torch._foreach_add_(new_delta, torch._foreach_mul(pf, list(scale_step.unbind(0))),
+                        alpha=1 - beta1)
+    return scale_exp_avg_sq
 
 
 class Adam(ResumableUpdate, Optimizer):
