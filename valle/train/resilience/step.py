@@ -215,8 +215,7 @@ class ResilientStep:
             self.phases.begin_attempt(step, attempt)
             # Dropout masks etc. depend on (seed, step) only: a retry replays them.
             torch.manual_seed(sample_seed(self.cfg.seed, step, "") % (1 << 62))
-            ballot.stop = stop_requested()
-            failure, vote = self._attempt(step, batch, split, ballot)
+            failure, vote = self._attempt(step, batch, split, ballot, stop_requested)
             result.stop_requested |= vote.stop > 0
             result.unreadable = vote.unreadable  # the same in every attempt of the step
             if vote.give_up:
@@ -314,8 +313,8 @@ class ResilientStep:
 
     # -- one attempt ---------------------------------------------------------
 
-    def _attempt(self, step: int, batch: Batch | None, split: int,
-                 ballot: Ballot) -> tuple[Failure | None, Vote]:
+    def _attempt(self, step: int, batch: Batch | None, split: int, ballot: Ballot,
+                 stop_requested: Callable[[], bool]) -> tuple[Failure | None, Vote]:
         self.guard.split = split
         self.sync.zero_grad()
         self.votes.sums.zero_()
@@ -337,6 +336,9 @@ class ResilientStep:
                     ballot.frames, ballot.cuts = frame_count(batch), batch_size(batch)
         ballot.failed, ballot.damaged = failure is not None, self.state_damaged
         ballot.give_up = self.recovery.give_up is not None
+        # Asked at the vote, not before the work: a signal during this attempt still
+        # makes this step the last.
+        ballot.stop = stop_requested()
         vote = self.votes.cast(ballot)
         if deferred and vote.clean():
             self._synced_backward(step, *deferred)
