@@ -52,7 +52,7 @@ def _save_checkpoint(model, config: dict, path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """An exp dir with a tiny checkpoint (as tests/models/test_infer_cli.py makes it), a VALL-E X
+    """An exp dir with a tiny checkpoint (as tests/infer/test_cli.py makes it), a VALL-E X
     one, a file that is no checkpoint, and a prompt dir with one example prompt and its transcript."""
     from valle.data.symbols import SymbolTable
 
@@ -147,6 +147,13 @@ def test_uploaded_prompt_gives_a_playable_wav_and_spectrogram(client, served):
 
 
 @pytest.mark.timeout(300)
+def test_language_auto_reads_each_sentence_by_its_script(client, served):
+    response = _post(client, prompt=served["prompt"], language="auto", text=TEXT)
+    assert response.status_code == 200, response.text
+    assert _check_wav(client.get(response.json()["wav_url"]).content) > 0
+
+
+@pytest.mark.timeout(300)
 def test_example_prompt_by_name(client):
     response = _post(client, prompt_name="fox.wav", checkpoint="epoch-1.pt")
     assert response.status_code == 200, response.text
@@ -167,7 +174,14 @@ def test_example_prompt_by_name(client):
         ({"checkpoint": "broken.pt"}, "ok", None, "broken.pt"),
         ({"prompt_name": "nobody.wav"}, None, None, "example prompt nobody.wav not found"),
         ({"num_candidates": 0}, "ok", None, "--num-candidates must be >= 1"),
-        ({"top_k": "many"}, "ok", "top_k", "top_k: Input should be a valid integer"),
+        ({"top_k": "many"}, "ok", "top_k", "top_k: expected a whole number, 'off' or nothing, got 'many'"),
+        ({"text": "你好世界，今天天气很好。"}, "ok", "text",
+         "the text has Han letters ('你好世界今天气很') that the en-us voice cannot read as words"),
+        ({"prompt_text": "Привет"}, "ok", "prompt_text", "the prompt's transcript has Cyrillic letters"),
+        ({"text": "你好", "language": "auto"}, "ok", "text",
+         "Han letters ('你好'): none of the languages that read it (cmn, yue"),
+        ({"text": "jumps over the dog. " * 60}, "ok", "text",
+         "more than this checkpoint takes in one piece (625: its longest training items"),
         ({"checkpoint": "x/epoch-2.pt", "language": "de"}, "ok", None,
          "--language de: not one of the model's languages"),
     ],
@@ -254,6 +268,37 @@ def test_concurrent_requests_are_serialized(served, tmp_path):
     assert service.queue.pending == 0
 
 
+class RecordingBackend:
+    """Keeps the arguments each synthesis ran with; writes a short wav."""
+
+    def __init__(self):
+        self.args = []
+
+    def languages(self, args):
+        return [args.language]
+
+    def synthesize(self, args, item) -> RunResult:
+        self.args.append(args)
+        write_wav(item.out_wav, torch.full((2400,), 0.1))
+        return RunResult(written=[item.out_wav])
+
+
+@pytest.mark.timeout(120)
+def test_top_k_off_or_empty_means_off(served, tmp_path):
+    backend = RecordingBackend()
+    _, infer_args = parse_args(_server_argv(served, **{"--top-k": -100}))
+    service = SynthesisService(backend, infer_args, ResultStore(tmp_path / "results"))
+    client = TestClient(create_app(service, PageSettings(exp_dir=served["exp"], upload_dir=tmp_path / "up")),
+                        raise_server_exceptions=False)  # fmt: skip
+    assert client.get("/api/options").json()["defaults"]["top_k"] == "off"  # not -100
+    for sent, used in (("off", -100), ("", -100), ("OFF", -100), ("5", 5), ("0", 0)):
+        response = _post(client, prompt=served["prompt"], top_k=sent)
+        assert response.status_code == 200, response.text
+        assert backend.args[-1].top_k == used, sent
+    service.base_args.top_k = 3  # a field the client does not send keeps the server's value
+    assert _post(client, prompt=served["prompt"]).status_code == 200 and backend.args[-1].top_k == 3
+
+
 class BrokenBackend:
     """Fails each synthesis the way a model can: no audio, out of memory, a bug."""
 
@@ -338,6 +383,14 @@ def test_page_in_headless_chromium(app, served, tmp_path):
             page.set_default_timeout(120_000)
             page.goto(live.url + "/")
             page.wait_for_function("document.getElementById('checkpoint-status').textContent === 'loaded'")
+            # the example prompt is chosen, its transcript filled in; top-k reads as a number or "off"
+            assert page.input_value("#prompt-name") == "fox.wav"
+            assert page.input_value("#prompt-text") == PROMPT_TEXT
+            assert page.input_value("#top_k") == "1"
+            page.fill("#text", "你好世界，今天天气很好。")
+            page.click("#synthesize")
+            page.wait_for_selector("#error:not([hidden])")
+            assert "Han letters" in page.inner_text('.field-error[data-field="text"]')
             page.set_input_files("#prompt", str(served["prompt"]))
             page.fill("#prompt-text", PROMPT_TEXT)
             page.fill("#text", TEXT)
@@ -366,6 +419,6 @@ def test_page_in_headless_chromium(app, served, tmp_path):
                 "document.getElementById('checkpoint-status').textContent.startsWith('multilingual')")
             assert page.is_visible("#prompt-language")
             assert page.eval_on_selector_all("#language option", "os => os.map(o => o.value)") == [
-                "en-us", "fr-fr"]  # fmt: skip
+                "en-us", "fr-fr", "auto"]  # fmt: skip
         finally:
             browser.close()

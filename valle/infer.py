@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import logging
 import re
 import sys
@@ -21,16 +22,42 @@ from typing import Any
 import torch
 
 from valle.args import DTYPES, str2bool
+from valle.codec.constants import NUM_AUDIO_TOKENS, SAMPLE_RATE
+from valle.config_flags import add_flags
+from valle.data.languages import split_languages
+from valle.infer_checks import (
+    AUTO,
+    Segment,
+    TextProblem,
+    auto_segments,
+    length_problem,
+    script_problem,
+    text_limit,
+)
+from valle.models.generation import (
+    DECODING_GROUP,
+    DECODING_GROUP_DESCRIPTIONS,
+    EXPERIMENTAL_DECODING_GROUP,
+    DecodeOptions,
+)
 
 logger = logging.getLogger(__name__)
 
-SAMPLE_RATE = 24000
 TSV_COLUMNS = ("prompt_text", "prompt_wav", "text", "out_wav")
 BEST_CHECKPOINT = "best-valid-loss.pt"
 
 
 class InputError(ValueError):
     """Bad user input (missing file, unknown symbol, empty text): reported without a traceback."""
+
+
+class TextError(InputError):
+    """A text synthesis refuses (a script its language cannot read, too long): ``field`` is the
+    page's form field it concerns ("text" or "prompt_text")."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(message)
+        self.field = field_name
 
 
 @dataclass
@@ -80,42 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--tsv", default=None, help="TSV with columns prompt_text, prompt_wav, text, out_wav"
     )
     p.add_argument("--output-dir", default="infer/demo", help="where wavs are written")
-    g = p.add_argument_group("decoding")
-    g.add_argument("--top-k", type=int, default=-100, help="top-k sampling (<= 0: off, 1: greedy)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=42)
-    g.add_argument("--max-len-ratio", type=float, default=16.0,
-                   help="at most this many frames per text token (prompt text included)")  # fmt: skip
-    g.add_argument("--min-len-ratio", type=float, default=0.0,
-                   help="no EOS before this many frames per token of the text to say (0: no floor, "
-                        "as lifeiteng); guards an undertrained model against empty rows")  # fmt: skip
-    g.add_argument("--num-candidates", type=int, default=1,
-                   help="best of N AR samples per text by the model's mean log-likelihood per frame")  # fmt: skip
-    g.add_argument("--static-cache", action="store_true",
-                   help="AR decoding with a KV cache preallocated to the longest row and a "
-                        "per-token step of fixed shapes (same tokens)")  # fmt: skip
-    g.add_argument("--cuda-graphs", action="store_true",
-                   help="--static-cache with its step captured in a CUDA graph per batch and "
-                        "replayed (CUDA only; same tokens, fewer kernel launches)")  # fmt: skip
-    g.add_argument("--nar-decoding", default="argmax", choices=["argmax", "mmse"],
-                   help="codebooks 1-7: the most likely code (VALL-E), or the code nearest the "
-                        "expected codec vector under the NAR's distribution (an unsure NAR then "
-                        "adds little instead of a wrong guess; docs/inference.md)")  # fmt: skip
+    add_flags(p, DecodeOptions, groups=[DECODING_GROUP])
+    g = next(group for group in p._action_groups if group.title == DECODING_GROUP)
     g.add_argument("--split-sentences", action="store_true",
                    help="synthesise a long text sentence by sentence (same prompt) and join the audio")  # fmt: skip
     g.add_argument("--sentence-gap", type=float, default=0.15,
                    help="seconds of silence between joined sentences")  # fmt: skip
     g.add_argument("--batch-size", type=int, default=1,
                    help="texts decoded together (faster; sampled rows then depend on their batch)")  # fmt: skip
-    x = p.add_argument_group(
-        "decoding (experimental)", "kept for experiments, off by default (docs/inference.md)"
-    )
-    x.add_argument("--stop-rule", default="argmax-or-sampled",
-                   choices=["argmax-or-sampled", "sampled"],
-                   help="stop a row when EOS is the most likely token or is sampled (lifeiteng), "
-                        "or only when it is sampled (experimental: rows then run longer, 81 vs 52 "
-                        "frames on the demo checkpoint in issue #11)")  # fmt: skip
+    add_flags(p, DecodeOptions, DECODING_GROUP_DESCRIPTIONS, groups=[EXPERIMENTAL_DECODING_GROUP])
     p.add_argument("--continual", type=str2bool, nargs="?", const=True, default=False,
                    help="resynthesise the prompt audio: codebook 0 from it, the NAR predicts "
                         "the rest; --text-prompts is its whole transcript and --text is not used")  # fmt: skip
@@ -123,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--use-averaged-model", action="store_true", help="use the checkpoint's averaged weights"
     )
     p.add_argument("--text-tokens", default=None, help="symbol table; default: the checkpoint's")
-    p.add_argument("--language", default="en-us", help="espeak language of --text")
+    p.add_argument("--language", default="en-us",
+                   help="espeak language of --text; auto: each sentence in the language of its "
+                        "script that the checkpoint's symbol table covers (docs/inference.md)")  # fmt: skip
     p.add_argument("--prompt-language", default=None,
                    help="espeak language of --text-prompts (default: --language)")  # fmt: skip
     p.add_argument("--languages", default=None,
@@ -312,7 +314,7 @@ def decode_codes(
     can be decoded with that codec.
     """
     del checkpoint_config  # EnCodec 24 kHz for now
-    if decoder is not None:  # --decoder vocos (valle/vocos_decoder.py)
+    if decoder is not None:  # --decoder vocos (valle/codec/vocos.py)
         return decoder.decode(codes)
     return audio_tokenizer.decode(codes.T.unsqueeze(0)).reshape(-1).float().cpu()
 
@@ -332,7 +334,10 @@ class Synthesizer:
         checkpoint_config: dict[str, Any] | None = None,
         languages: list[str] | str | None = None,
         text_extractor: str = "espeak",
+        decoder=None,
     ):
+        """``decoder``: what turns codes into audio instead of the codec's own decoder
+        (--decoder vocos: a ``VocosDecoder``); None: the codec's."""
         from valle.data.symbols import SymbolTable
         from valle.data.text import TextTokenCollater, TextTokenizer
 
@@ -351,8 +356,15 @@ class Synthesizer:
         self.text_tokenizer = TextTokenizer(language=language, backend=text_extractor)
         self.collater = TextTokenCollater(table, add_bos=True, add_eos=True)
         self.audio_tokenizer = audio_tokenizer
+        self.decoder = decoder
         self.config = dict(checkpoint_config or {})
         self.language_ids = self._language_ids(model, languages or self.config.get("languages"))
+        self.text_limit = text_limit(self.config)
+        self._phoneme_cache: dict[tuple[str, str], list[str]] = {}
+        self.symbols = table
+        # --language auto picks among these (None: the common voices of each script)
+        self.auto_languages = (list(self.language_ids) if self.language_ids is not None
+                               else split_languages(languages or self.config.get("languages")) or None)  # fmt: skip
 
     def _language_ids(self, model, languages) -> dict[str, int] | None:
         """VALL-E X: espeak language -> id, checked against the model and the two languages."""
@@ -374,7 +386,7 @@ class Synthesizer:
             ("--language", self.language),
             ("--prompt-language", self.prompt_language),
         ):
-            if lang not in ids:
+            if lang not in ids and lang != AUTO:
                 raise InputError(
                     f"{flag} {lang}: not one of the model's languages {list(languages)}"
                 )
@@ -385,34 +397,100 @@ class Synthesizer:
 
         if not text.strip():
             return []
+        key = (text, language)
+        if key in self._phoneme_cache:  # text_problem phonemized it already
+            return self._phoneme_cache[key]
         try:
             syms = self.text_tokenizer([text], language=language)[0]
         except TextTokenizationError as e:
             raise InputError(f"{item.name}: {what} ({language}): {e}") from e
         if not syms:
             raise InputError(f"{item.name}: {what} {text!r} gave no phonemes ({language})")
+        if len(self._phoneme_cache) >= 256:
+            self._phoneme_cache.clear()
+        self._phoneme_cache[key] = syms
         return syms
+
+    def _fits(self, piece: str, language: str) -> bool:
+        """--language auto: ``language`` phonemizes ``piece`` into symbols of the checkpoint's table."""
+        from valle.data.text import TextTokenizationError
+
+        try:
+            symbols = self.text_tokenizer.phonemize_one(piece, language)
+        except TextTokenizationError:
+            return False
+        return bool(symbols.symbols) and all(sym in self.symbols for sym in symbols.symbols)
+
+    def _segments(self, text: str, language: str, field_name: str) -> list[Segment] | TextProblem:
+        """The pieces of ``text`` and the language each is said in: one, or with --language auto
+        one or more per sentence (valle/infer_checks.py ``auto_segments``)."""
+        if language != AUTO:
+            return script_problem(text, language, field_name, self.auto_languages if self.language_ids
+                                  is not None else None) or [Segment(text, language)]  # fmt: skip
+        segments: list[Segment] = []
+        for sentence in split_sentences(text) if text.strip() else []:
+            found = auto_segments(sentence, self.auto_languages, self._fits, field_name)
+            if isinstance(found, TextProblem):
+                return found
+            segments += found
+        return segments
+
+    def _said(self, text: str, language: str, field_name: str, item: Item) -> tuple[list[str], list[str]]:
+        """(symbols of ``text``, the language of each): its segments phonemized, word-separated.
+        A refused text raises ``TextError``."""
+        from valle.data.text import WORD_SEP
+
+        segments = self._segments(text, language, field_name)
+        if isinstance(segments, TextProblem):
+            raise TextError(segments.field, f"{item.name}: {segments.message}")
+        symbols: list[str] = []
+        languages: list[str] = []
+        for segment in segments:
+            part = self._phonemes(segment.text, segment.language, field_name.replace("_", " "), item)
+            if symbols and part:
+                symbols.append(WORD_SEP)
+                languages.append(languages[-1])
+            symbols += part
+            languages += [segment.language] * len(part)
+        return symbols, languages
+
+    def text_problem(self, item: Item, split_sentences: bool = False) -> TextProblem | None:
+        """Why ``item`` cannot be synthesised as given (valle/infer_checks.py), or None: letters
+        its languages cannot read, or a text longer than the checkpoint takes in one piece."""
+        for text, language, field_name in ((item.text, self.language, "text"),
+                                           (item.prompt_text, self.prompt_language, "prompt_text")):  # fmt: skip
+            segments = self._segments(text, language, field_name)
+            if isinstance(segments, TextProblem):
+                return segments
+        if item.text.strip():
+            tokens = len(self._said(item.text, self.language, "text", item)[0])
+            return length_problem(tokens, self.text_limit, split_sentences)
+        return None
 
     def _text_tokens(self, items: list[Item], continual: bool):
         """Token ids of BOS + prompt transcript + text + EOS, and the prompt part's lengths.
 
         The prompt's transcript and the text are phonemized separately, each in its own
-        language; a word separator joins them and counts as part of the prompt.
+        language; a word separator joins them and counts as part of the prompt. Also the
+        language of each token (BOS's is the prompt's, EOS's the text's; for ``_text_languages``).
         """
         from valle.data.text import WORD_SEP
 
-        symbols, prompt_lens = [], []
+        symbols, prompt_lens, token_languages = [], [], []
         for item in items:
             if not item.text.strip() and not continual:
                 raise InputError(f"{item.name}: the text to synthesise is empty")
-            prompt = self._phonemes(item.prompt_text, self.prompt_language, "prompt text", item)
-            text = self._phonemes(item.text, self.language, "text", item)
+            prompt, prompt_langs = self._said(item.prompt_text, self.prompt_language, "prompt_text", item)
+            text, text_langs = self._said(item.text, self.language, "text", item)
             if prompt and text:
-                prompt = prompt + [WORD_SEP]
+                prompt, prompt_langs = prompt + [WORD_SEP], prompt_langs + prompt_langs[-1:]
             if not prompt and not text:
                 raise InputError(f"{item.name}: empty text (and empty prompt text)")
             symbols.append(prompt + text)
             prompt_lens.append(len(prompt))
+            bos = prompt_langs[:1] or ([self.prompt_language] if self.prompt_language != AUTO else text_langs[:1])
+            eos = text_langs[-1:] or ([self.language] if self.language != AUTO else prompt_langs[-1:])
+            token_languages.append(bos + prompt_langs + text_langs + eos)
         try:
             tokens, lens = self.collater(symbols, ids=[i.name for i in items])
         except KeyError as e:
@@ -421,21 +499,18 @@ class Synthesizer:
             tokens.to(self.device),
             lens.to(self.device),
             torch.tensor(prompt_lens, device=self.device),
+            token_languages,
         )
 
     def _text_languages(
-        self, tokens: torch.Tensor, prompt_lens: torch.Tensor
+        self, tokens: torch.Tensor, token_languages: list[list[str]]
     ) -> torch.Tensor | None:
-        """Per-token language ids: BOS + the prompt's transcript in its language, the rest in --language."""
+        """Per-token language ids (VALL-E X): each token's language, padding in its row's last."""
         if self.language_ids is None:
             return None
-        cols = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
-        in_prompt = cols < (prompt_lens[:, None] + 1)
-        prompt_id, text_id = (
-            self.language_ids[self.prompt_language],
-            self.language_ids[self.language],
-        )
-        return torch.where(in_prompt, prompt_id, text_id)
+        rows = [[self.language_ids[lang] for lang in langs] for langs in token_languages]
+        width = tokens.shape[1]
+        return torch.tensor([row + row[-1:] * (width - len(row)) for row in rows], device=tokens.device)
 
     def _prompt_codes(self, items: list[Item]):
         from valle.codec.audio import load_audio_24k
@@ -462,7 +537,7 @@ class Synthesizer:
             codes.append(torch.cat(parts, dim=0).to(self.device))
         lens = torch.tensor([c.shape[0] for c in codes], device=self.device)
         out = torch.full(
-            (len(codes), int(lens.max()), q), 1024, dtype=torch.long, device=self.device
+            (len(codes), int(lens.max()), q), NUM_AUDIO_TOKENS, dtype=torch.long, device=self.device
         )
         for i, c in enumerate(codes):
             out[i, : c.shape[0]] = c
@@ -479,14 +554,14 @@ class Synthesizer:
         return [v.to(self.device) for v in get()]
 
     def synthesize(
-        self, items: list[Item], *, continual: bool = False, nar_decoding: str = "argmax",
-        **decode_kwargs,
+        self, items: list[Item], *, continual: bool = False,
+        options: DecodeOptions = DecodeOptions(),
     ) -> list[torch.Tensor | Failure]:
         """One (N,) float waveform at 24 kHz per item, or a ``Failure`` for an item that has none."""
-        text, text_lens, prompt_text_lens = self._text_tokens(items, continual)
-        langs = self._text_languages(text, prompt_text_lens)
+        text, text_lens, prompt_text_lens, token_languages = self._text_tokens(items, continual)
+        langs = self._text_languages(text, token_languages)
         prompt, prompt_lens = self._prompt_codes(items)
-        vectors = self._code_vectors(nar_decoding)
+        vectors = self._code_vectors(options.nar_decoding)
         if continual:
             codes, lens = self.model.continual(text, text_lens, prompt, prompt_lens,
                                                text_languages=langs, code_vectors=vectors,
@@ -494,8 +569,8 @@ class Synthesizer:
         else:
             codes, lens = self.model.inference(
                 text, text_lens, prompt, prompt_lens, prompt_text_lens=prompt_text_lens,
-                text_languages=langs, on_empty="mark", code_vectors=vectors, return_lens=True,
-                **decode_kwargs,
+                text_languages=langs, code_vectors=vectors, return_lens=True,
+                options=dataclasses.replace(options, on_empty="mark"),
             )  # fmt: skip
         out: list[torch.Tensor | Failure] = []
         for b, item in enumerate(items):
@@ -505,7 +580,7 @@ class Synthesizer:
                                    "audio (untrained checkpoint, or text/prompt mismatch)"))  # fmt: skip
                 continue
             out.append(decode_codes(codes[b, :n], self.config, self.audio_tokenizer,
-                                    getattr(self, "decoder", None)))
+                                    self.decoder))
         return out
 
 
@@ -516,16 +591,12 @@ def write_wav(path: Path, wav: torch.Tensor) -> None:
     sf.write(str(path), wav.clamp(-1.0, 1.0).numpy(), SAMPLE_RATE)
 
 
-def decode_options(args: argparse.Namespace) -> dict[str, Any]:
-    if args.num_candidates < 1:
-        raise InputError(f"--num-candidates must be >= 1, got {args.num_candidates}")
-    if not 0 <= args.min_len_ratio < args.max_len_ratio:
-        raise InputError(f"--min-len-ratio must be in [0, --max-len-ratio {args.max_len_ratio}), "
-                         f"got {args.min_len_ratio}")
-    return dict(top_k=args.top_k, top_p=args.top_p, temperature=args.temperature,
-                max_len_ratio=args.max_len_ratio, min_len_ratio=args.min_len_ratio, seed=args.seed,
-                stop_rule=args.stop_rule.replace("-", "_"), num_candidates=args.num_candidates,
-                static_cache=args.static_cache, cuda_graphs=args.cuda_graphs)  # fmt: skip
+def decode_options(args: argparse.Namespace) -> DecodeOptions:
+    """The decoding flags as ``DecodeOptions`` (a bad value is the user's: ``InputError``)."""
+    try:
+        return DecodeOptions.from_flags(args)
+    except ValueError as e:
+        raise InputError(str(e)) from e
 
 
 def _units(items: list[Item], split: bool) -> list[tuple[int, Item]]:
@@ -539,19 +610,41 @@ def _units(items: list[Item], split: bool) -> list[tuple[int, Item]]:
     return units
 
 
+def check_text(synth: Synthesizer, item: Item, args: argparse.Namespace) -> None:
+    """Raise ``TextError`` when any piece of ``item`` would be refused (the page's check)."""
+    split = args.split_sentences and not args.continual
+    for _, unit in _units([item], split):
+        problem = synth.text_problem(unit, split)
+        if problem is not None:
+            raise TextError(problem.field, f"{unit.name}: {problem.message}")
+
+
+def _refuse_bad_texts(synth: Synthesizer, units: list[tuple[int, Item]], split: bool,
+                      pieces: list[list[torch.Tensor | Failure]]) -> list[tuple[int, Item]]:
+    """The units to decode; each refused one becomes its item's failure (the others go on)."""
+    kept = []
+    for i, unit in units:
+        problem = synth.text_problem(unit, split)
+        if problem is None:
+            kept.append((i, unit))
+        else:
+            pieces[i].append(Failure(unit.name, problem.message))
+    return kept
+
+
 def synthesize_items(synth: Synthesizer, items: list[Item], args: argparse.Namespace) -> RunResult:
     """Decode every item in batches, write its wav, and report the items that failed."""
-    kwargs = {} if args.continual else decode_options(args)
-    units = _units(items, args.split_sentences and not args.continual)
+    options = decode_options(args)
+    split = args.split_sentences and not args.continual
     pieces: list[list[torch.Tensor | Failure]] = [[] for _ in items]
+    units = _refuse_bad_texts(synth, _units(items, split), split, pieces)
     bs = max(1, args.batch_size)
     started = time.monotonic()
     for start in range(0, len(units), bs):
         batch = units[start : start + bs]
         for (i, _), result in zip(batch, synth.synthesize([u for _, u in batch],
                                                           continual=args.continual,
-                                                          nar_decoding=args.nar_decoding,
-                                                          **kwargs)):  # fmt: skip
+                                                          options=options)):  # fmt: skip
             pieces[i].append(result)
         done = min(start + bs, len(units))
         if len(units) > bs:
@@ -606,11 +699,11 @@ def run(args: argparse.Namespace) -> RunResult:
     vocos_weights = resolve_vocos(args)
     torch.manual_seed(args.seed)
     model, config, table, audio_tokenizer = load_for_synthesis(args, device)
+    decoder = build_vocos(config, device, vocos_weights, args) if args.decoder == "vocos" else None
     synth = Synthesizer(model, table, audio_tokenizer, device, language=args.language,
                         prompt_language=args.prompt_language, checkpoint_config=config,
-                        languages=args.languages, text_extractor=args.text_extractor)  # fmt: skip
-    if args.decoder == "vocos":
-        synth.decoder = build_vocos(config, device, vocos_weights, args)
+                        languages=args.languages, text_extractor=args.text_extractor,
+                        decoder=decoder)  # fmt: skip
     return synthesize_items(synth, items, args)
 
 

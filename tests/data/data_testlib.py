@@ -117,3 +117,31 @@ def finish_recipe(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, st
 
 def run_recipe(script: str, *args: str, timeout: float = 240) -> tuple[int, str, str]:
     return finish_recipe(start_recipe(script, *args), timeout)
+
+
+def run_sh_launches(script: str, tmp_path: Path, *args: str) -> list[str]:
+    """The trainer command lines a recipe's run.sh launches (python replaced by a stand-in
+    that prints them)."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/usr/bin/env bash\necho "LAUNCH $*"\n')
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(ROOT / script), "--python", str(fake), "--nproc", "1", *args],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return [line for line in proc.stdout.splitlines() if line.startswith("LAUNCH -m torch.distributed.run")]
+
+
+def train_two_steps(manifest_dir: Path, dataset: str, exp: Path, *model_args: str) -> str:
+    """bin/trainer.py on a recipe's tokenized cuts: a tiny model, two steps, a checkpoint;
+    returns the log."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bin/trainer.py"), "--model-name", "valle", "--decoder-dim", "32",
+         "--nhead", "2", "--num-decoder-layers", "1", "--dropout", "0.0", *model_args, "--device", "cpu",
+         "--dtype", "float32", "--manifest-dir", str(manifest_dir), "--dataset", dataset,
+         "--max-duration", "4", "--num-workers", "0", "--num-buckets", "1", "--exp-dir", str(exp),
+         "--max-steps", "2", "--num-epochs", "10", "--train-stage", "0", "--valid-interval", "2",
+         "--save-every-n", "2", "--tensorboard", "false", "--log-interval", "1"],
+        cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (exp / "checkpoint-2.pt").is_file()
+    return proc.stdout + proc.stderr

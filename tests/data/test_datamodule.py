@@ -6,19 +6,19 @@ import pytest
 import torch
 from lhotse import CutSet
 
-from valle.data.datamodule import TtsDataModule
+from valle.data.datamodule import TtsDataModule, add_data_flags
 from valle.data.validation import NoCutsLeftError
 
 
 def make_dm(tiny_data, *extra, **attrs):
     parser = argparse.ArgumentParser()
-    TtsDataModule.add_arguments(parser)
+    add_data_flags(parser)
     args = parser.parse_args(["--manifest-dir", str(tiny_data), "--dataset", "tiny", "--max-duration", "6",
                               "--max-text-tokens", "120", "--num-buckets", "2", "--num-workers", "0", *extra])
     args.seed = 7
     for k, v in attrs.items():
         setattr(args, k, v)
-    return TtsDataModule(args)
+    return TtsDataModule.from_flags(args)
 
 
 def ids_of(batches):
@@ -177,23 +177,23 @@ def test_text_budget_is_on_by_default_and_derived_from_the_corpus(tiny_data, tmp
     from valle.data.datamodule import DEFAULT_TEXT_TOKENS_PER_SECOND, TEXT_BUDGET_MARGIN
 
     parser = argparse.ArgumentParser()
-    TtsDataModule.add_arguments(parser)
+    add_data_flags(parser)
     base = ["--dataset", "tiny", "--max-duration", "6", "--num-buckets", "2", "--num-workers", "0"]
     rate = json.loads((tiny_data / "tiny_text_stats.json").read_text())["total"]["text_tokens_per_second_p99"]
     with caplog.at_level(logging.INFO, logger="valle.data.datamodule"):
         args = parser.parse_args(["--manifest-dir", str(tiny_data), *base])
         args.seed = 0
-        dm = TtsDataModule(args)
+        dm = TtsDataModule.from_flags(args)
     budget = math.ceil(TEXT_BUDGET_MARGIN * rate * 6)
-    assert 10 < rate < 40 and dm.args.max_text_tokens == budget
+    assert 10 < rate < 40 and dm.cfg.max_text_tokens == budget
     assert f"--max-text-tokens {budget} = " in caplog.text and "tiny_text_stats.json" in caplog.text
     for batch in dm.train_dataloader(0, 1):
         assert batch["text_tokens"].numel() <= budget  # padded tokens, bos/eos included
     # no statistics next to the manifests: the documented constant
     args = parser.parse_args(["--manifest-dir", str(tmp_path), *base])
-    assert TtsDataModule(args).args.max_text_tokens == math.ceil(TEXT_BUDGET_MARGIN * DEFAULT_TEXT_TOKENS_PER_SECOND * 6)
-    assert TtsDataModule(parser.parse_args(["--max-text-tokens", "off", *base])).args.max_text_tokens is None
-    assert TtsDataModule(parser.parse_args(["--max-text-tokens", "77", *base])).args.max_text_tokens == 77
+    assert TtsDataModule.from_flags(args).cfg.max_text_tokens == math.ceil(TEXT_BUDGET_MARGIN * DEFAULT_TEXT_TOKENS_PER_SECOND * 6)
+    assert TtsDataModule.from_flags(parser.parse_args(["--max-text-tokens", "off", *base])).cfg.max_text_tokens is None
+    assert TtsDataModule.from_flags(parser.parse_args(["--max-text-tokens", "77", *base])).cfg.max_text_tokens == 77
 
 
 @pytest.mark.parametrize("device, pinned", [("cpu", False), ("cuda", True)])

@@ -278,3 +278,15 @@ def test_two_nodes_deal_shar_shards_over_four_ranks_and_restart_together(libritt
     for name in a["model"]:
         torch.testing.assert_close(b["model"][name], a["model"][name], rtol=1e-6, atol=1e-7)
     assert a["sampler"] == b["sampler"]
+
+
+def test_extremes_steps_name_a_badly_named_manifest_or_a_missing_record(tmp_path, capsys):
+    from valle.data import recipe
+
+    odd = tmp_path / "train.jsonl.gz"
+    _write(odd, [])
+    assert recipe.main(["extremes", str(odd)]) == 2
+    assert "not named {prefix}_cuts_{part}.jsonl.gz" in capsys.readouterr().err
+    assert recipe.main(["merge-extremes", str(tmp_path / "x_extremes_train.json"),
+                        str(tmp_path / "x_extremes_small.json")]) == 2
+    assert "x_extremes_small.json: no such extremes record" in capsys.readouterr().err

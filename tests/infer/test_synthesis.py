@@ -25,6 +25,7 @@ from valle.infer import (
     synthesize_items,
 )
 from valle.models import NUM_AUDIO_TOKENS
+from valle.models.generation import DecodeOptions
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "lifeiteng"
 TEXTS = [
@@ -154,14 +155,14 @@ def test_prompt_and_text_are_phonemized_in_their_own_languages(setup):
     model = tiny_model("valle", 4).eval()
     synth = Synthesizer(model, table, FakeCodec(), "cpu", language="cmn", prompt_language="en-us")
     item = Item("the dog", str(prompt), "你好", Path("x.wav"), "item 0")
-    tokens, lens, prompt_lens = synth._text_tokens([item], continual=False)
+    tokens, lens, prompt_lens, _ = synth._text_tokens([item], continual=False)
     en = TextTokenizer()(["the dog"], language="en-us")[0]
     cmn = TextTokenizer()(["你好"], language="cmn")[0]
     ids = [synth.collater.symbol_table.get(s) for s in en + [WORD_SEP] + cmn]
     assert tokens[0].tolist() == [synth.collater.bos_id, *ids, synth.collater.eos_id]
     assert prompt_lens.tolist() == [len(en) + 1]
-    # One language for both: the Mandarin text in English espeak gives other symbols.
-    with pytest.raises(InputError, match="unknown text symbol"):
+    # One language for both: English espeak cannot read the Mandarin text (issue #42).
+    with pytest.raises(InputError, match="item 0: the text has Han letters"):
         Synthesizer(model, table, FakeCodec(), "cpu", language="en-us")._text_tokens([item], False)
 
 
@@ -264,18 +265,23 @@ def test_docs_show_every_flag():
     assert sorted(f for f in flags - {"--help"} if f"`{f}`" not in doc) == []
 
 
+def _bilingual(table, language: str):
+    """(a tiny VALL-E X model of en-us and cmn, its Synthesizer for ``language`` and English prompts)."""
+    model = tiny_model("valle", 1, num_languages=2).eval()
+    return model, Synthesizer(model, table, FakeCodec(), "cpu", language=language, prompt_language="en-us",
+                              checkpoint_config={"languages": ["en-us", "cmn"]})  # fmt: skip
+
+
 def test_cross_lingual_synthesis(setup, tmp_path):
     _, table, prompt = setup
-    model = tiny_model("valle", 1, num_languages=2).eval()
-    synth = Synthesizer(model, table, FakeCodec(), "cpu", language="cmn", prompt_language="en-us",
-                        checkpoint_config={"languages": ["en-us", "cmn"]})  # fmt: skip
+    model, synth = _bilingual(table, "cmn")
     item = Item("the dog", str(prompt), "你好", tmp_path / "x.wav", "item 0")
-    tokens, _, prompt_lens = synth._text_tokens([item], continual=False)
-    langs = synth._text_languages(tokens, prompt_lens)
+    tokens, _, prompt_lens, token_languages = synth._text_tokens([item], continual=False)
+    langs = synth._text_languages(tokens, token_languages)
     n_prompt = int(prompt_lens[0]) + 1  # BOS + the English transcript (+ word separator)
     assert langs[0, :n_prompt].tolist() == [0] * n_prompt
     assert langs[0, n_prompt:].tolist() == [1] * (tokens.shape[1] - n_prompt)
-    [wav] = synth.synthesize([item], top_k=1, max_len_ratio=1.0)
+    [wav] = synth.synthesize([item], options=DecodeOptions(top_k=1, max_len_ratio=1.0))
     assert wav.numel() == tokens.shape[1] * 320
     with pytest.raises(InputError, match="pass --languages"):
         Synthesizer(model, table, FakeCodec(), "cpu", language="cmn")
@@ -303,10 +309,46 @@ def test_static_cache_flag_gives_the_same_audio_and_cuda_graphs_refuse_cpu(setup
     args = _args(tmp_path, **{"--max-len-ratio": 2})
     static = _args(tmp_path, **{"--max-len-ratio": 2, "--static-cache": True})
     options = decode_options(static)
-    assert options["static_cache"] and not options["cuda_graphs"]
-    plain = synth.synthesize(items, **decode_options(args))
-    assert [w.shape for w in synth.synthesize(items, **options)] == [w.shape for w in plain]
+    assert options.static_cache and not options.cuda_graphs
+    plain = synth.synthesize(items, options=decode_options(args))
+    assert [w.shape for w in synth.synthesize(items, options=options)] == [w.shape for w in plain]
     rc = main(["--checkpoint", str(tmp_path / "none.pt"), "--text-prompts", "the dog",
                "--audio-prompts", str(prompt), "--text", "a fox", "--output-dir", str(tmp_path),
                "--device", "cpu", "--cuda-graphs"])  # fmt: skip
     assert rc == 2 and "--cuda-graphs needs a CUDA device" in capsys.readouterr().err
+
+
+def test_language_auto_says_each_script_in_its_language(setup, tmp_path):
+    from valle.data.text import WORD_SEP, TextTokenizer
+
+    _, table, prompt = setup
+    _, synth = _bilingual(table, "auto")
+    item = Item("the dog", str(prompt), "你好 the fox。", tmp_path / "x.wav", "item 0")
+    tokens, _, _, token_languages = synth._text_tokens([item], continual=False)
+    en, cmn = TextTokenizer(), TextTokenizer(language="cmn")
+    said = [en(["the dog"])[0], [WORD_SEP], cmn(["你好"])[0], [WORD_SEP], en(["the fox."])[0]]
+    ids = [synth.collater.symbol_table.get(s) for part in said for s in part]
+    assert tokens[0].tolist() == [synth.collater.bos_id, *ids, synth.collater.eos_id]
+    # BOS, the prompt and its separator in English; the Han run (and the separator after it) in
+    # Mandarin; the English words and EOS in English: ids in the checkpoint's order
+    lengths = [1 + len(said[0]) + 1, len(said[2]) + 1, len(said[4]) + 1]
+    expected = [0] * lengths[0] + [1] * lengths[1] + [0] * lengths[2]
+    assert synth._text_languages(tokens, token_languages)[0].tolist() == expected
+    [wav] = synth.synthesize([item], options=DecodeOptions(top_k=1, max_len_ratio=1.0))
+    assert wav.numel() == tokens.shape[1] * 320
+    # a script none of the model's languages reads is refused, naming it
+    problem = synth.text_problem(Item("the dog", str(prompt), "Привет", Path(), "item 1"))
+    assert problem.field == "text" and "Cyrillic letters ('Привет'): none of this checkpoint's" in problem.message
+
+
+def test_language_auto_without_model_languages_asks_the_symbol_table(setup, tmp_path):
+    _, table, prompt = setup
+    synth = Synthesizer(tiny_model("valle", 1).eval(), table, FakeCodec(), "cpu", language="auto")
+    assert synth.text_problem(Item("the dog", str(prompt), "你好。the dog!", Path(), "item 0")) is None
+    problem = synth.text_problem(Item("the dog", str(prompt), "Привет", Path(), "item 1"))
+    assert "Cyrillic letters ('Привет'): none of the languages that read it (ru, uk" in problem.message
+    assert "has phonemes this checkpoint's symbol table holds" in problem.message
+    items = [Item("the dog", str(prompt), t, tmp_path / f"{i}.wav", f"item {i}")
+             for i, t in enumerate(["你好。the dog!", "Привет"])]  # fmt: skip
+    result = synthesize_items(synth, items, _args(tmp_path))
+    assert result.written == [tmp_path / "0.wav"] and [f.name for f in result.failures] == ["item 1"]

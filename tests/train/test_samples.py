@@ -216,3 +216,45 @@ def read_text_summary(logdir: Path) -> str:
     board.Reload()
     event = board.Tensors("samples/items/text_summary")[0]
     return event.tensor_proto.string_val[0].decode()
+
+
+def test_a_held_out_pair_its_voice_cannot_read_is_named_for_skipping():
+    from types import SimpleNamespace
+
+    from valle.train.samples import unsayable_text
+
+    def cut(cut_id, text, voice):
+        custom = {"espeak_voice": voice} if voice else None
+        return SimpleNamespace(id=cut_id, supervisions=[SimpleNamespace(text=text, custom=custom)])
+
+    good, chinese = cut("a", "the dog", "en-us"), cut("b", "你好", "en-us")
+    assert unsayable_text(good, cut("c", "你好", "cmn")) == ""
+    assert unsayable_text(chinese, good).startswith("cut b: the text has Han letters ('你好')")
+    assert "cut b: the prompt's transcript has Han letters" in unsayable_text(good, chinese)
+    assert unsayable_text(cut("d", "你好", None), good) == ""  # no recorded voice: not judged
+
+
+def test_manifest_items_skip_a_pair_its_voices_cannot_read_with_a_warning(tmp_path, monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from lhotse import CutSet, MonoCut, SupervisionSegment
+
+    import valle.train.samples as samples
+    from valle.data.symbols import SymbolTable
+
+    monkeypatch.setattr(samples, "_codes", lambda cut: torch.zeros(3, 8, dtype=torch.long))
+    table = tmp_path / "unique_text_tokens.k2symbols"
+    SymbolTable.from_symbols(["_", "d", "o"]).to_file(table)
+
+    def cut(i: int, text: str) -> MonoCut:
+        custom = {"tokens": {"text": ["d", "o"]}, "espeak_voice": "en-us"}
+        sup = SupervisionSegment(f"c{i}", f"r{i}", 0, 1, text=text, speaker="s", custom=custom)
+        return MonoCut(f"c{i}", 0, 1, 0, supervisions=[sup])
+
+    CutSet.from_cuts([cut(0, "do"), cut(1, "你好"), cut(2, "do"), cut(3, "do")]).to_file(tmp_path / "dev.jsonl.gz")
+    module = SimpleNamespace(cfg=SimpleNamespace(valid_part="dev"), text_tokens_path=lambda: table,
+                             cuts_path=lambda part: tmp_path / f"{part}.jsonl.gz", languages=lambda: None)
+    with caplog.at_level(logging.WARNING):
+        items = samples.manifest_items(module, 2)
+    assert [(item.name, item.prompt_name) for item in items] == [("c2", "c3")]
+    assert "validation samples: item c0 (prompt c1) skipped: cut c1: the prompt's transcript has Han" in caplog.text

@@ -5,6 +5,8 @@
     python -m valle.data.recipe describe CUTS [CUTS ...]     counts, hours, durations, text tokens, languages
     python -m valle.data.recipe shar CUTS OUT_DIR [--shard-size 1000]
     python -m valle.data.recipe merge-stats OUT IN [IN ...]  several corpora's text stats as one dataset's
+    python -m valle.data.recipe extremes CUTS [CUTS ...]     the extremes record of a combined/split part
+    python -m valle.data.recipe merge-extremes OUT IN [IN ...]  disjoint parts' extremes records as one
     python -m valle.data.recipe download|prepare libritts|ljspeech|aishell3|aishell PATHS...   lhotse's recipes
 
 Errors are one line naming the file (exit 2); dropped items are listed, never silent.
@@ -165,6 +167,52 @@ def shar(path: Path, out_dir: Path, shard_size: int) -> list[str]:
     return files
 
 
+def extremes_of_manifest(path: Path) -> Path:
+    """``{prefix}_extremes_{part}.json`` for ``{prefix}_cuts_{part}.jsonl.gz``: where the trainer
+    looks for the part's extremes record (``valle.data.extremes``)."""
+    from valle.data.extremes import extremes_path
+
+    name = Path(path).name
+    prefix, sep, rest = name.partition("_cuts_")
+    part = rest.split(".")[0]
+    if not (sep and prefix and part):
+        raise ManifestError(f"{path}: not named {{prefix}}_cuts_{{part}}.jsonl.gz: no extremes record name for it")
+    return extremes_path(Path(path).parent, prefix, part)
+
+
+def write_extremes(path: Path) -> Path:
+    """The extremes record of a combined or split manifest, in one streaming pass (bounded
+    memory): parts made by combine/split/interleave have no tokenizer record of their own."""
+    from lhotse import CutSet
+
+    from valle.data.extremes import Extremes
+
+    if not Path(path).is_file():
+        raise ManifestError(f"{path}: no such cut manifest")
+    out = extremes_of_manifest(path)
+    record = Extremes.of(CutSet.from_jsonl_lazy(path))
+    record.write(out)
+    print(f"extremes: {record.count} cuts of {path} -> {out}")
+    return out
+
+
+def merge_extremes(output: Path, inputs: list[Path]) -> None:
+    """Disjoint parts' extremes records as the record of their union (Libriheavy's small,
+    medium and large -> train), with no pass over the cuts."""
+    from valle.data.extremes import Extremes
+
+    total = Extremes()
+    for path in inputs:
+        if not Path(path).is_file():
+            raise ManifestError(f"{path}: no such extremes record (bin/tokenizer.py writes one per part)")
+        try:
+            total.merge(Extremes.read(path))
+        except ValueError as e:
+            raise ManifestError(str(e)) from None
+    total.write(output)
+    print(f"merge-extremes: {total.count} cuts from {len(inputs)} record(s) -> {output}")
+
+
 def lhotse_step(step: str, corpus: str, args: list[str], num_jobs: int = 1) -> None:
     """lhotse's download_/prepare_<corpus> (stages 0-1), a failure as one line naming the corpus
     directory instead of lhotse's assertion traceback."""
@@ -207,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("merge-stats")
     m.add_argument("output", type=Path)
     m.add_argument("inputs", type=Path, nargs="+")
+    e = sub.add_parser("extremes", help="write each manifest's extremes record next to it (one pass)")
+    e.add_argument("cuts", type=Path, nargs="+")
+    me = sub.add_parser("merge-extremes", help="disjoint parts' extremes records as one")
+    me.add_argument("output", type=Path)
+    me.add_argument("inputs", type=Path, nargs="+")
     for step in ("download", "prepare"):
         x = sub.add_parser(step, help=f"lhotse's {step}_<corpus> with a one-line error")
         x.add_argument("corpus", choices=["libritts", "ljspeech", "aishell3", "aishell"])
@@ -224,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
                 describe(path)
         elif args.cmd == "merge-stats":
             merge_stats(args.output, args.inputs)
+        elif args.cmd == "extremes":
+            for path in args.cuts:
+                write_extremes(path)
+        elif args.cmd == "merge-extremes":
+            merge_extremes(args.output, args.inputs)
         elif args.cmd == "shar":
             shar(args.cuts, args.output_dir, args.shard_size)
         else:

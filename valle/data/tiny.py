@@ -212,8 +212,11 @@ def split_cuts(
     cuts_path: str | Path, output_dir: str | Path, prefix: str = "tiny",
     dev_frac: float = 0.08, test_frac: float = 0.08, seed: int = 0,
 ) -> dict[str, int]:
-    """Split per speaker (every speaker in every part, so prompts exist everywhere)."""
+    """Split per speaker (every speaker in every part, so prompts exist everywhere). Each part
+    gets its extremes record too, as bin/tokenizer.py writes one per part it tokenizes."""
     from lhotse import CutSet
+
+    from valle.data.extremes import Extremes, extremes_path
 
     cuts = CutSet.from_file(cuts_path)
     by_speaker: dict[str, list[str]] = {}
@@ -233,6 +236,7 @@ def split_cuts(
     for name, ids in parts.items():
         subset = CutSet.from_cuts(c for c in cuts if c.id in ids)
         subset.to_file(Path(output_dir) / f"{prefix}_cuts_{name}.jsonl.gz")
+        Extremes.of(subset).write(extremes_path(Path(output_dir), prefix, name))
         counts[name] = len(subset)
     return counts
 

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from valle.data.scripts import LATIN_SCRIPT_LANGUAGES, base_language
+
 logger = logging.getLogger(__name__)
 
 # Reasons (stable keys: tests, reports and docs rely on them).
@@ -36,13 +38,6 @@ DUPLICATE_ID = "duplicate_id"
 BAD_MANIFEST_ITEM = "bad_manifest_item"
 BAD_SEGMENT = "segment_outside_recording"
 
-# Voices whose languages are written in Latin script: text in another script is read
-# letter by letter ("chinese letter", Cyrillic letter names), which no audio matches.
-LATIN_SCRIPT_LANGUAGES = {
-    "en", "fr", "de", "es", "it", "pt", "nl", "sv", "da", "nb", "no", "fi", "pl", "cs", "sk",
-    "sl", "hr", "ro", "hu", "tr", "id", "ms", "vi", "ca", "eu", "gl", "et", "lv", "lt", "sq",
-    "af", "sw", "cy", "ga", "is", "mt", "eo", "la",
-}
 # Phonemes (no word boundaries, no punctuation) per second of audio. Read speech runs at
 # 10-18; 30 leaves room for fast speakers and tight trims while catching text that the
 # audio cannot carry (spelled-out foreign characters, wrong transcripts).
@@ -158,10 +153,6 @@ class CutFilter:
         if bad is not None:
             logger.warning("cut %s removed: %s (%s)", cut.id, *bad)
         return bad is None
-
-
-def base_language(language: str) -> str:
-    return language.lower().replace("_", "-").split("-")[0]
 
 
 def foreign_letters(text: str, language: str) -> list[str]:

@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_UPLOAD_BYTES = 20 * 1024 * 1024  # a prompt is a few seconds; this is minutes of 24 kHz audio
+TOP_K_OFF = -100  # what bin/infer.py (as lifeiteng's recipes) means by top-k off
+TOP_K_OFF_WORDS = ("", "off")
 
 
 class FieldError(InputError):
@@ -112,6 +114,24 @@ async def _write_checked_upload(upload: UploadFile, path: Path) -> None:
         raise FieldError("prompt", f"the prompt {name} holds no samples")
 
 
+def parse_top_k(value: str | None) -> int | None:
+    """The page's top-k: "off" or empty is off (bin/infer.py's -100), a whole number is itself
+    (<= 0 off as well, 1 greedy); None (not sent) keeps the server's default."""
+    if value is None:
+        return None
+    if value.strip().lower() in TOP_K_OFF_WORDS:
+        return TOP_K_OFF
+    try:
+        return int(value)
+    except ValueError:
+        raise FieldError("top_k", f"top_k: expected a whole number, 'off' or nothing, got {value!r}") from None
+
+
+def shown_top_k(top_k: int) -> int | str:
+    """How the page shows a top-k: "off" for every value that turns it off."""
+    return "off" if top_k <= 0 else top_k
+
+
 def create_app(service: SynthesisService, settings: PageSettings) -> FastAPI:
     app = FastAPI(title="VALL-E synthesis", docs_url="/api/docs", redoc_url=None)
     _install_error_handlers(app)
@@ -136,7 +156,7 @@ def create_app(service: SynthesisService, settings: PageSettings) -> FastAPI:
             "default_checkpoint": default,
             "prompts": [{"name": p.name, "transcript": p.transcript, "url": f"/api/prompts/{p.name}"}
                         for p in find_prompts(settings.prompt_dir)],  # fmt: skip
-            "defaults": {"language": args.language, "top_k": args.top_k, "top_p": args.top_p,
+            "defaults": {"language": args.language, "top_k": shown_top_k(args.top_k), "top_p": args.top_p,
                          "temperature": args.temperature, "num_candidates": args.num_candidates,
                          "seed": args.seed},  # fmt: skip
             "queue": service.queue.pending,
@@ -154,6 +174,7 @@ def create_app(service: SynthesisService, settings: PageSettings) -> FastAPI:
 
     @app.post("/api/synthesize")
     async def synthesize(
+        request: Request,
         checkpoint: str = Form(""),
         text: str = Form(""),
         prompt_text: str = Form(""),
@@ -161,7 +182,7 @@ def create_app(service: SynthesisService, settings: PageSettings) -> FastAPI:
         prompt_name: str = Form(""),
         language: str | None = Form(None),
         prompt_language: str | None = Form(None),
-        top_k: int | None = Form(None),
+        top_k: str | None = Form(None),
         top_p: float | None = Form(None),
         temperature: float | None = Form(None),
         num_candidates: int | None = Form(None),
@@ -178,15 +199,17 @@ def create_app(service: SynthesisService, settings: PageSettings) -> FastAPI:
             raise FieldError("prompt", "no prompt: upload a prompt wav or choose an example prompt")
         if not prompt_text.strip():
             raise FieldError("prompt_text", "type the transcript of the prompt audio")
+        # FastAPI reads an empty field as not sent: the raw form tells "top_k=" (off) apart
+        top_k_value = parse_top_k("" if top_k is None and "top_k" in await request.form() else top_k)
         if uploaded:
             prompt_wav = await _save_upload(prompt, settings.upload_dir)
         else:
             prompt_wav = resolve_prompt(find_prompts(settings.prompt_dir), prompt_name).path
-        request = SynthesisRequest(path, prompt_wav, prompt_text, text, language or None,
-                                   prompt_language or None, top_k, top_p, temperature,
-                                   num_candidates, seed)  # fmt: skip
+        job = SynthesisRequest(path, prompt_wav, prompt_text, text, language or None,
+                               prompt_language or None, top_k_value, top_p, temperature,
+                               num_candidates, seed)  # fmt: skip
         try:
-            result = await service.synthesize(request)
+            result = await service.synthesize(job)
         finally:
             if uploaded:
                 shutil.rmtree(prompt_wav.parent, ignore_errors=True)

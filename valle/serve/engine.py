@@ -31,6 +31,7 @@ from valle.infer import (
     RunResult,
     Synthesizer,
     build_vocos,
+    check_text,
     decode_options,
     load_for_synthesis,
     resolve_vocos,
@@ -132,15 +133,15 @@ class InferBackend:
             synth = Synthesizer(loaded.model, loaded.table, loaded.audio_tokenizer, self.device,
                                 language=args.language, prompt_language=args.prompt_language,
                                 checkpoint_config=loaded.config, languages=args.languages,
-                                text_extractor=args.text_extractor)  # fmt: skip
-            if loaded.vocos is not None:
-                synth.decoder = loaded.vocos
+                                text_extractor=args.text_extractor, decoder=loaded.vocos)  # fmt: skip
             loaded.synthesizers[key] = synth
         return loaded.synthesizers[key]
 
     def synthesize(self, args: argparse.Namespace, item: Item) -> RunResult:
         loaded = self._load(args)
-        return synthesize_items(self._synthesizer(loaded, args), [item], args)
+        synth = self._synthesizer(loaded, args)
+        check_text(synth, item, args)  # a refused text is a 400 on its field, not "no audio"
+        return synthesize_items(synth, [item], args)
 
 
 class WorkQueue:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,21 +32,22 @@ class LhotseTrainData:
     def __init__(self, cfg: TrainConfig, ctx: DistContext, ar_codebook_size: int = 1024):
         self.cfg = cfg
         self.ctx = ctx
-        self.module = TtsDataModule(argparse.Namespace(**cfg.args))
-        # "auto" is resolved (and logged) by the data module; checkpoints keep the number.
-        cfg.args["max_text_tokens"] = self.module.args.max_text_tokens
+        # "auto" --max-text-tokens is resolved (and logged) in cfg.data by the data module;
+        # checkpoints keep the number.
+        self.module = TtsDataModule(cfg.data, seed=cfg.seed, num_languages=cfg.model.num_languages,
+                                    prefix_mode=cfg.model.prefix_mode)
         # Checkpoints carry the resolved symbol table path: bin/infer.py reads it from there.
-        cfg.args["text_tokens"] = str(self.module.text_tokens_path().resolve())
+        cfg.data.text_tokens = self.module.text_tokens_path().resolve()
         # ... and the codec's identity (a refitted mel-rvq codec gives other codes).
-        cfg.args["audio_codec"] = self.module.codec_identity()
+        cfg.corpus_record["audio_codec"] = self.module.codec_identity()
         # ... whose codebook 0 must fit the AR's head (--ar-codebook-size).
         from valle.codec import check_ar_codebook_size
 
-        check_ar_codebook_size(ar_codebook_size, self.module.args.manifest_dir)
+        check_ar_codebook_size(ar_codebook_size, cfg.data.manifest_dir)
         # VALL-E X: the language-id order, so bin/infer.py maps --language to the same ids.
         languages = self.module.languages()
         if languages is not None:
-            cfg.args["languages"] = languages
+            cfg.data.languages = languages
             logger.info("languages (id order): %s", ", ".join(languages))
         self.train: ResumableLoader = self.module.train_dataloader(ctx.rank, ctx.world_size)
         self.train.pin_memory = ctx.device.type == "cuda"

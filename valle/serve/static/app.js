@@ -47,12 +47,16 @@ async function getJSON(url, init) {
   return body;
 }
 
+// The text may also be "auto": each sentence in the language its script and the checkpoint choose.
 function fillLanguages(languages) {
   for (const id of ["language", "prompt-language"]) {
     const select = $(id);
     const keep = select.value;
-    select.replaceChildren(...languages.map((l) => option(l)));
-    if (languages.includes(keep)) select.value = keep;
+    // A server started with --language auto lists "auto" already: offer it once.
+    const choices = languages.filter((l) => l !== "auto").map((l) => option(l));
+    if (id === "language") choices.push(option("auto", "auto (by script)"));
+    select.replaceChildren(...choices);
+    if (choices.some((o) => o.value === keep)) select.value = keep;
   }
   $("prompt-language-box").hidden = languages.length < 2;
 }
@@ -88,6 +92,11 @@ async function init() {
     o.dataset.transcript = p.transcript;
     o.dataset.url = p.url;
     $("prompt-name").append(o);
+  }
+  // an example prompt, when there is one, so that the page synthesises as it opens
+  if (options.prompts.length) {
+    $("prompt-name").value = options.prompts[0].name;
+    $("prompt-name").dispatchEvent(new Event("change"));
   }
   fillLanguages([options.defaults.language]);
   for (const name of NUMBER_FIELDS) $(name).value = options.defaults[name];
@@ -127,6 +136,7 @@ function formData() {
   for (const name of NUMBER_FIELDS) {
     const value = $(name).value.trim();
     if (value !== "") data.append(name, value);
+    else if (name === "top_k") data.append(name, "off"); // an empty top-k means off, not "default"
   }
   return data;
 }
