@@ -76,7 +76,7 @@ def scan_pessimistic_batches(stepper, batches: dict[str, Batch], cfg: TrainConfi
 def scan_meter(stepper):
     """The run's memory meter (valle.train.build), or one made for this scan (callers
     that built a step by hand): on CPU it counts tensors only inside the scan."""
-    meter = getattr(stepper, "meter", None)
+    meter = stepper.meter
     if meter is None:
         from valle.train.resilience.meter import build_meter, training_state_tensors
 

@@ -176,10 +176,15 @@ class ResilientStep:
         # except under GradScaler, which needs to see fp16 overflow to lower its scale.
         sync.check_finite = self.scaler is None
         self._materialized = False
+        self.meter = None  # the run's memory meter (valle.train.build.attach_meter), if any
 
     @property
     def quarantine(self) -> Quarantine:
         return self.recovery.quarantine
+
+    @property
+    def reporter(self) -> OomReporter:
+        return self.guard.reporter
 
     def materialize_state(self) -> None:
         """Create optimizer and scaler state now (after any checkpoint was loaded), so
