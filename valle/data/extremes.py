@@ -116,16 +116,23 @@ class Extremes:
 
     # ---- building ------------------------------------------------------------------------
     def add(self, cut) -> None:
-        tokens = num_text_tokens(cut)
+        self._add(cut.id, cut.duration, num_text_tokens(cut), cut.to_dict)
+
+    def add_dict(self, cut: dict[str, Any]) -> None:
+        """``add`` for a cut as its manifest line holds it (the recipe steps stream JSON): the
+        same record as ``add`` of the lhotse cut."""
+        self._add(cut["id"], cut["duration"], _dict_text_tokens(cut), lambda: _lhotse_dict(cut))
+
+    def _add(self, cut_id: str, duration: float, tokens: int, to_dict: Callable[[], dict]) -> None:
         self.count += 1
-        self.microseconds += round(cut.duration * 1e6)
-        self._add_sample((sample_key(cut.id), float(cut.duration), tokens))
-        probe = Entry(cut.id, float(cut.duration), tokens, {})
-        b = self.bins.setdefault(duration_bin(cut.duration), Bin())
+        self.microseconds += round(duration * 1e6)
+        self._add_sample((sample_key(cut_id), float(duration), tokens))
+        probe = Entry(cut_id, float(duration), tokens, {})
+        b = self.bins.setdefault(duration_bin(duration), Bin())
         b.count += 1
         wanted = [name for name in CRITERIA if b.wants(name, probe, self.k)]
         if wanted:  # the dict is made only for cuts that are kept
-            entry = Entry(cut.id, float(cut.duration), tokens, cut.to_dict())
+            entry = Entry(cut_id, float(duration), tokens, to_dict())
             for name in wanted:
                 b.offer(name, entry, self.k)
 
@@ -235,6 +242,13 @@ class Extremes:
             return cls.from_json(data)
         except (KeyError, TypeError) as e:
             raise ValueError(f"{path}: not an extremes record (missing {e})") from None
+
+
+def _lhotse_dict(cut: dict[str, Any]) -> dict[str, Any]:
+    """A manifest line as lhotse writes the cut it loads from it (defaults filled in)."""
+    from lhotse.cut.set import deserialize_cut
+
+    return deserialize_cut(cut).to_dict()
 
 
 def _dict_text_tokens(cut: dict[str, Any]) -> int:
