@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from valle.data.collation import num_text_tokens
-
 VERSION = 1
 BIN_SECONDS = 0.5  # duration bin width: a training duration filter lands inside one bin
 MAX_BINS = 480  # 240 s; longer cuts share the last bin
@@ -116,12 +114,14 @@ class Extremes:
 
     # ---- building ------------------------------------------------------------------------
     def add(self, cut) -> None:
+        from valle.data.collation import num_text_tokens  # torch: not for add_dict's light callers
+
         self._add(cut.id, cut.duration, num_text_tokens(cut), cut.to_dict)
 
     def add_dict(self, cut: dict[str, Any]) -> None:
-        """``add`` for a cut as its manifest line holds it (the recipe steps stream JSON): the
-        same record as ``add`` of the lhotse cut."""
-        self._add(cut["id"], cut["duration"], _dict_text_tokens(cut), lambda: _lhotse_dict(cut))
+        """``add`` for a cut as its manifest line holds it (the recipe steps stream JSON, with
+        neither lhotse nor torch): a line lhotse wrote is the ``to_dict`` of the cut it loads."""
+        self._add(cut["id"], cut["duration"], _dict_text_tokens(cut), lambda: cut)
 
     def _add(self, cut_id: str, duration: float, tokens: int, to_dict: Callable[[], dict]) -> None:
         self.count += 1
@@ -242,13 +242,6 @@ class Extremes:
             return cls.from_json(data)
         except (KeyError, TypeError) as e:
             raise ValueError(f"{path}: not an extremes record (missing {e})") from None
-
-
-def _lhotse_dict(cut: dict[str, Any]) -> dict[str, Any]:
-    """A manifest line as lhotse writes the cut it loads from it (defaults filled in)."""
-    from lhotse.cut.set import deserialize_cut
-
-    return deserialize_cut(cut).to_dict()
 
 
 def _dict_text_tokens(cut: dict[str, Any]) -> int:
