@@ -13,6 +13,11 @@ Output: {output-dir}/{prefix}_cuts_{part}.{suffix}      one cut per supervision,
 Restartable: a part whose cuts file exists is skipped; inside a part, finished chunks
 (--chunk-size cuts) are kept, so a crash loses at most one chunk. Parts may run as parallel
 jobs into the same --output-dir.
+
+Many workers on one part: `torchrun --nnodes N --nproc-per-node G bin/tokenizer.py ...` (each
+on cuda:LOCAL_RANK), a SLURM job array, or --num-shards N --shard-index K per process. Worker
+K of N takes chunks K, K+N, K+2N, ...; the last to finish joins the part, so the output reads
+exactly like one process's (docs/data.md, "Tokenizing on many GPUs").
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -75,6 +81,10 @@ def get_parser() -> argparse.ArgumentParser:
                    help="also export each finished part as Lhotse Shar shards into SHAR_DIR/<part>")
     p.add_argument("--shar-shard-size", type=int, default=1000, help="cuts per Shar shard")
     p.add_argument("--seed", type=int, default=0, help="seed of random EnCodec weights")
+    p.add_argument("--num-shards", type=int, default=None,
+                   help="workers sharing each part, one process each (default: torchrun's WORLD_SIZE, "
+                        "a SLURM array's task count, else 1); worker K takes chunks K, K+N, ...")
+    p.add_argument("--shard-index", type=int, default=None, help="this worker's number K in [0, --num-shards)")
     return p
 
 
@@ -156,6 +166,24 @@ def check_sources(args, part: str, what: str) -> None:
             f"to tokenize the part again; for the mel-rvq codec also mel_rvq.pt, to refit it")
 
 
+def write_sources(args, part: str) -> None:
+    """Atomically: parallel workers write the same record, and read it on resume."""
+    record = sources_path(args, part)
+    tmp = record.with_name(f".{record.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(manifests_fingerprint(args, part), indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, record)
+
+
+def worker_device(device, requested: str, local_rank: int):
+    """A worker launched with a LOCAL_RANK uses its own GPU: ``auto`` and ``cuda`` become
+    ``cuda:LOCAL_RANK``; an explicit ``cuda:N`` or ``cpu`` is kept."""
+    import torch
+
+    if device.type == "cuda" and requested in ("auto", "cuda") and local_rank:
+        return torch.device("cuda", local_rank)
+    return device
+
+
 def run(args) -> int:
     import torch
 
@@ -163,7 +191,8 @@ def run(args) -> int:
     from valle.codec.encodec import AudioTokenizer, resolve_device, resolve_encodec_weights
     from valle.data.languages import espeak_voice
     from valle.data.manifests import ManifestError, load_cuts
-    from valle.data.pipeline import PartTokenizer, export_shar, language_report
+    from valle.data.pipeline import PartTokenizer, language_report
+    from valle.data.sharding import resolve_shard
     from valle.data.symbols import SymbolTable
     from valle.data.text import TextTokenizer
 
@@ -171,6 +200,7 @@ def run(args) -> int:
     parts = args.dataset_parts.split()
     # Everything that can fail for the whole run is checked before any work: the default
     # voice, the symbol table, every manifest's presence, the codec weights.
+    shard = resolve_shard(args.num_shards, args.shard_index)
     default_voice = espeak_voice(args.language, "en-us")
     fixed_table = SymbolTable.from_file(args.text_tokens) if args.text_tokens else None
     todo = []
@@ -186,7 +216,10 @@ def run(args) -> int:
             logger.info("part %s: its cuts file exists, skipping (delete it to redo)", part)
             continue
         todo.append(part)
-    device = resolve_device(args.device)
+    device = worker_device(resolve_device(args.device), args.device, shard.local_rank)
+    if not shard.alone:
+        logger.info("%s: chunks %d, %d+%d, ... of each part", shard.describe(), shard.index, shard.index,
+                    shard.count)
     args.codec = resolve_codec_name(args.codec, args.encodec_checkpoint)  # auto: encodec if its weights are here
     if todo and args.codec == "mel-rvq":
         from valle.codec import make_audio_tokenizer
@@ -218,11 +251,14 @@ def run(args) -> int:
         rec_path, sup_path = manifest_paths(args, part)
         load_report = V.ValidationReport()
         cuts = load_cuts(rec_path, sup_path, load_report)
-        sources_path(args, part).write_text(json.dumps(manifests_fingerprint(args, part), indent=1) + "\n",
-                                            encoding="utf-8")
+        write_sources(args, part)
         logger.info("part %s: %d cuts (one per supervision) from %s; %d manifest problems",
                     part, len(cuts), rec_path.parent, len(load_report))
-        report, stats = runner.run(part, cuts, load_report)
+        result = runner.run(part, cuts, load_report, shard)
+        if result is None:  # other workers' chunks are still running, or one joined the part
+            print(f"[{part}] {shard.describe()}: its chunks are done; the last worker to finish joins the part")
+            continue
+        report, stats = result
         totals.extend(report)
         paths = runner.paths(part)
         elapsed = time.time() - t0
@@ -235,7 +271,7 @@ def run(args) -> int:
         if report.entries:
             print(f"[{part}] bad items listed in {paths['report']}")
         if args.shar_dir is not None:
-            export_shar(paths["cuts"], args.shar_dir / part, args.shar_shard_size)
+            print(f"[{part}] Lhotse Shar shards in {args.shar_dir / part}")
     print(f"tokenizer: {len(parts)} part(s), {len(todo)} tokenized; {totals.summary()}")
     return 0
 
@@ -244,12 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     from valle.codec.encodec import EncodecWeightsError
     from valle.data.languages import UnknownLanguageError
     from valle.data.manifests import ManifestError
+    from valle.data.sharding import ShardError
 
     args = get_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return run(args)
-    except (ManifestError, EncodecWeightsError, UnknownLanguageError, FileNotFoundError, ValueError) as e:
+    except (ManifestError, EncodecWeightsError, UnknownLanguageError, ShardError, FileNotFoundError,
+            ValueError) as e:
         # Bad input for the whole run: one line naming the file or flag, no traceback.
         print(f"bin/tokenizer.py: error: {e}", file=sys.stderr)
         return 2

@@ -46,6 +46,14 @@ tmp=$(mktemp)
   echo
   python scripts/bench_preemption.py 2>/dev/null | grep -v -e 'Gloo' -e 'connected to' -e 'peer ranks'
   echo
+  echo "## Start-up against corpus size: launch to the end of 2 training steps, peak RSS"
+  echo
+  echo '```'
+  echo "python scripts/bench_startup.py --sizes 10000,100000,400000,1000000"
+  echo '```'
+  echo
+  python scripts/bench_startup.py --sizes 10000,100000,400000,1000000 2>/dev/null
+  echo
   echo "## --compile: eager against torch.compile, steps/s (each size compiles first: minutes on CPU)"
   echo
   echo '```'

@@ -108,7 +108,6 @@ def run_bare(size: str, steps: int, batch: int, device: str, profiler=None,
     steps 1..`steps` train (drawn up front from its own data: the synthetic sampler or the
     lhotse data module, first epoch), so that both marginals time the same batches."""
     from valle.models import get_model
-    from valle.train.build import model_hparams
     from valle.train.cli import parse_config
     from valle.train.data import build_train_data
     from valle.train.dist import init_distributed
@@ -116,7 +115,7 @@ def run_bare(size: str, steps: int, batch: int, device: str, profiler=None,
     with tempfile.TemporaryDirectory() as exp_dir:
         cfg = parse_config(trainer_argv(size, "AdamW", steps, batch, exp_dir, device, corpus))
         ctx = init_distributed(device, 120)
-        hparams = model_hparams(cfg, None)
+        hparams = cfg.model
         data = build_train_data(cfg, ctx, hparams.ar_codebook_size)
         batches = list(itertools.islice(data.train_batches(1), steps))
     if len(batches) < steps:

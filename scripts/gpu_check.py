@@ -14,9 +14,12 @@
    step captured in a CUDA graph (`--cuda-graphs`), at the paper's size in bf16.
 7. --compile: real OOMs inside the compiled forward/backward recovered, and steps/s
    eager vs --compile at the demo size (scripts/bench_compile.py).
+8. EnCodec tokenization throughput: hours of audio per GPU-hour, batched as bin/tokenizer.py
+   batches (about 300 s of audio per encoder batch on a GPU, sorted by duration), and what
+   1,000 hours of a corpus cost in GPU-hours (docs/data.md).
 
 Results go to $OUT/gpu-check.md (or ./out/gpu-check.md). `--device cpu --quick` runs
-items 5 to 7 at tiny sizes on the CPU (a smoke test of the script; the CUDA-only items
+items 5 to 8 at tiny sizes on the CPU (a smoke test of the script; the CUDA-only items
 say they were skipped), so a drawn device only has to run it.
 """
 
@@ -253,6 +256,47 @@ def check_compile_real_ooms(lines: list[str], device: str = "cuda") -> None:
         lines += ["```", proc.stderr[-3000:], "```", ""]
 
 
+def check_tokenizer_throughput(lines: list[str], device: str, quick: bool) -> None:
+    """EnCodec encoding as the tokenizer runs it: utterances of LibriTTS-like lengths (2-20 s),
+    batched by ``duration_batches`` at the tokenizer's default batch duration, random weights
+    (the same cost as the real ones). Audio loading is left out: DataLoader workers overlap it."""
+    import torch
+
+    from valle.codec.encodec import AudioTokenizer
+    from valle.data.pipeline import duration_batches
+
+    codec = AudioTokenizer(torch.device(device), None, allow_random_weights=True, seed=0, download=False)
+    n, batch_duration = (12, 10.0) if quick else (600, 300.0)
+    rng = torch.Generator().manual_seed(0)
+    lengths = (2 + 18 * torch.rand(n, generator=rng)).tolist()
+    if quick:
+        lengths = [1 + x / 10 for x in lengths]
+
+    class Cut:  # what duration_batches reads
+        def __init__(self, duration: float) -> None:
+            self.duration = duration
+
+    cuts = [Cut(x) for x in lengths]
+    wavs = [0.1 * torch.randn(int(x * codec.sample_rate), generator=rng) for x in lengths]
+    batches = duration_batches(cuts, batch_duration)
+    codec.encode_batch([wavs[i] for i in batches[0]])  # warm-up (cuDNN autotuning, allocator)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    started = time.perf_counter()
+    for batch in batches:
+        codec.encode_batch([wavs[i] for i in batch])
+    sync()
+    elapsed = time.perf_counter() - started
+    audio = sum(lengths)
+    per_hour = audio / elapsed
+    lines += ["## EnCodec tokenization throughput (bin/tokenizer.py's batching)", "",
+              f"{n} utterances, {audio / 3600:.3f} h of audio, {len(batches)} batches of about "
+              f"{batch_duration:.0f} s, {device}", "",
+              "| hours of audio per GPU-hour | GPU-hours per 1,000 h of audio | x real time |",
+              "|---|---|---|",
+              f"| {per_hour:.1f} | {1000 / per_hour:.2f} | {per_hour:.1f}x |", ""]
+
+
 def run_bench(lines: list[str], script: str, *args: str) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True,
                           text=True, timeout=600)
@@ -293,6 +337,7 @@ def main() -> None:
     run_check(check_host_overhead, args.device, args.quick)
     run_check(check_decoding, args.device, args.quick)
     run_check(check_compile_real_ooms, args.device)
+    run_check(check_tokenizer_throughput, args.device, args.quick)
     if args.device == "cuda":
         run_bench(lines, "bench_step.py", "--device", "cuda", "--dim", "1024", "--layers", "12",
                   "--batch", "16", "--text", "100", "--frames", "600")

@@ -35,3 +35,5 @@ def test_gpu_check_runs_its_cpu_path(tmp_path):
     assert "## --compile: real OOMs" in report, report
     assert re.search(r"exit code 0, steps 4 \(expected 4\)", report), report
     assert "bench_compile.py" in report, report
+    # EnCodec tokenization throughput (item 8), batched as the tokenizer batches
+    assert re.search(r"\| [\d.]+ \| [\d.]+ \| [\d.]+x \|", report.split("## EnCodec tokenization")[1]), report

@@ -52,7 +52,7 @@ def _save_checkpoint(model, config: dict, path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """An exp dir with a tiny checkpoint (as tests/models/test_infer_cli.py makes it), a VALL-E X
+    """An exp dir with a tiny checkpoint (as tests/infer/test_cli.py makes it), a VALL-E X
     one, a file that is no checkpoint, and a prompt dir with one example prompt and its transcript."""
     from valle.data.symbols import SymbolTable
 

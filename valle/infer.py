@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import logging
 import re
 import sys
@@ -21,6 +22,8 @@ from typing import Any
 import torch
 
 from valle.args import DTYPES, str2bool
+from valle.codec.constants import NUM_AUDIO_TOKENS, SAMPLE_RATE
+from valle.config_flags import add_flags
 from valle.data.languages import split_languages
 from valle.infer_checks import (
     AUTO,
@@ -31,10 +34,15 @@ from valle.infer_checks import (
     script_problem,
     text_limit,
 )
+from valle.models.generation import (
+    DECODING_GROUP,
+    DECODING_GROUP_DESCRIPTIONS,
+    EXPERIMENTAL_DECODING_GROUP,
+    DecodeOptions,
+)
 
 logger = logging.getLogger(__name__)
 
-SAMPLE_RATE = 24000
 TSV_COLUMNS = ("prompt_text", "prompt_wav", "text", "out_wav")
 BEST_CHECKPOINT = "best-valid-loss.pt"
 
@@ -99,42 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--tsv", default=None, help="TSV with columns prompt_text, prompt_wav, text, out_wav"
     )
     p.add_argument("--output-dir", default="infer/demo", help="where wavs are written")
-    g = p.add_argument_group("decoding")
-    g.add_argument("--top-k", type=int, default=-100, help="top-k sampling (<= 0: off, 1: greedy)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=42)
-    g.add_argument("--max-len-ratio", type=float, default=16.0,
-                   help="at most this many frames per text token (prompt text included)")  # fmt: skip
-    g.add_argument("--min-len-ratio", type=float, default=0.0,
-                   help="no EOS before this many frames per token of the text to say (0: no floor, "
-                        "as lifeiteng); guards an undertrained model against empty rows")  # fmt: skip
-    g.add_argument("--num-candidates", type=int, default=1,
-                   help="best of N AR samples per text by the model's mean log-likelihood per frame")  # fmt: skip
-    g.add_argument("--static-cache", action="store_true",
-                   help="AR decoding with a KV cache preallocated to the longest row and a "
-                        "per-token step of fixed shapes (same tokens)")  # fmt: skip
-    g.add_argument("--cuda-graphs", action="store_true",
-                   help="--static-cache with its step captured in a CUDA graph per batch and "
-                        "replayed (CUDA only; same tokens, fewer kernel launches)")  # fmt: skip
-    g.add_argument("--nar-decoding", default="argmax", choices=["argmax", "mmse"],
-                   help="codebooks 1-7: the most likely code (VALL-E), or the code nearest the "
-                        "expected codec vector under the NAR's distribution (an unsure NAR then "
-                        "adds little instead of a wrong guess; docs/inference.md)")  # fmt: skip
+    add_flags(p, DecodeOptions, groups=[DECODING_GROUP])
+    g = next(group for group in p._action_groups if group.title == DECODING_GROUP)
     g.add_argument("--split-sentences", action="store_true",
                    help="synthesise a long text sentence by sentence (same prompt) and join the audio")  # fmt: skip
     g.add_argument("--sentence-gap", type=float, default=0.15,
                    help="seconds of silence between joined sentences")  # fmt: skip
     g.add_argument("--batch-size", type=int, default=1,
                    help="texts decoded together (faster; sampled rows then depend on their batch)")  # fmt: skip
-    x = p.add_argument_group(
-        "decoding (experimental)", "kept for experiments, off by default (docs/inference.md)"
-    )
-    x.add_argument("--stop-rule", default="argmax-or-sampled",
-                   choices=["argmax-or-sampled", "sampled"],
-                   help="stop a row when EOS is the most likely token or is sampled (lifeiteng), "
-                        "or only when it is sampled (experimental: rows then run longer, 81 vs 52 "
-                        "frames on the demo checkpoint in issue #11)")  # fmt: skip
+    add_flags(p, DecodeOptions, DECODING_GROUP_DESCRIPTIONS, groups=[EXPERIMENTAL_DECODING_GROUP])
     p.add_argument("--continual", type=str2bool, nargs="?", const=True, default=False,
                    help="resynthesise the prompt audio: codebook 0 from it, the NAR predicts "
                         "the rest; --text-prompts is its whole transcript and --text is not used")  # fmt: skip
@@ -333,7 +314,7 @@ def decode_codes(
     can be decoded with that codec.
     """
     del checkpoint_config  # EnCodec 24 kHz for now
-    if decoder is not None:  # --decoder vocos (valle/vocos_decoder.py)
+    if decoder is not None:  # --decoder vocos (valle/codec/vocos.py)
         return decoder.decode(codes)
     return audio_tokenizer.decode(codes.T.unsqueeze(0)).reshape(-1).float().cpu()
 
@@ -353,7 +334,10 @@ class Synthesizer:
         checkpoint_config: dict[str, Any] | None = None,
         languages: list[str] | str | None = None,
         text_extractor: str = "espeak",
+        decoder=None,
     ):
+        """``decoder``: what turns codes into audio instead of the codec's own decoder
+        (--decoder vocos: a ``VocosDecoder``); None: the codec's."""
         from valle.data.symbols import SymbolTable
         from valle.data.text import TextTokenCollater, TextTokenizer
 
@@ -372,6 +356,7 @@ class Synthesizer:
         self.text_tokenizer = TextTokenizer(language=language, backend=text_extractor)
         self.collater = TextTokenCollater(table, add_bos=True, add_eos=True)
         self.audio_tokenizer = audio_tokenizer
+        self.decoder = decoder
         self.config = dict(checkpoint_config or {})
         self.language_ids = self._language_ids(model, languages or self.config.get("languages"))
         self.text_limit = text_limit(self.config)
@@ -552,7 +537,7 @@ class Synthesizer:
             codes.append(torch.cat(parts, dim=0).to(self.device))
         lens = torch.tensor([c.shape[0] for c in codes], device=self.device)
         out = torch.full(
-            (len(codes), int(lens.max()), q), 1024, dtype=torch.long, device=self.device
+            (len(codes), int(lens.max()), q), NUM_AUDIO_TOKENS, dtype=torch.long, device=self.device
         )
         for i, c in enumerate(codes):
             out[i, : c.shape[0]] = c
@@ -569,14 +554,14 @@ class Synthesizer:
         return [v.to(self.device) for v in get()]
 
     def synthesize(
-        self, items: list[Item], *, continual: bool = False, nar_decoding: str = "argmax",
-        **decode_kwargs,
+        self, items: list[Item], *, continual: bool = False,
+        options: DecodeOptions = DecodeOptions(),
     ) -> list[torch.Tensor | Failure]:
         """One (N,) float waveform at 24 kHz per item, or a ``Failure`` for an item that has none."""
         text, text_lens, prompt_text_lens, token_languages = self._text_tokens(items, continual)
         langs = self._text_languages(text, token_languages)
         prompt, prompt_lens = self._prompt_codes(items)
-        vectors = self._code_vectors(nar_decoding)
+        vectors = self._code_vectors(options.nar_decoding)
         if continual:
             codes, lens = self.model.continual(text, text_lens, prompt, prompt_lens,
                                                text_languages=langs, code_vectors=vectors,
@@ -584,8 +569,8 @@ class Synthesizer:
         else:
             codes, lens = self.model.inference(
                 text, text_lens, prompt, prompt_lens, prompt_text_lens=prompt_text_lens,
-                text_languages=langs, on_empty="mark", code_vectors=vectors, return_lens=True,
-                **decode_kwargs,
+                text_languages=langs, code_vectors=vectors, return_lens=True,
+                options=dataclasses.replace(options, on_empty="mark"),
             )  # fmt: skip
         out: list[torch.Tensor | Failure] = []
         for b, item in enumerate(items):
@@ -595,7 +580,7 @@ class Synthesizer:
                                    "audio (untrained checkpoint, or text/prompt mismatch)"))  # fmt: skip
                 continue
             out.append(decode_codes(codes[b, :n], self.config, self.audio_tokenizer,
-                                    getattr(self, "decoder", None)))
+                                    self.decoder))
         return out
 
 
@@ -606,16 +591,12 @@ def write_wav(path: Path, wav: torch.Tensor) -> None:
     sf.write(str(path), wav.clamp(-1.0, 1.0).numpy(), SAMPLE_RATE)
 
 
-def decode_options(args: argparse.Namespace) -> dict[str, Any]:
-    if args.num_candidates < 1:
-        raise InputError(f"--num-candidates must be >= 1, got {args.num_candidates}")
-    if not 0 <= args.min_len_ratio < args.max_len_ratio:
-        raise InputError(f"--min-len-ratio must be in [0, --max-len-ratio {args.max_len_ratio}), "
-                         f"got {args.min_len_ratio}")
-    return dict(top_k=args.top_k, top_p=args.top_p, temperature=args.temperature,
-                max_len_ratio=args.max_len_ratio, min_len_ratio=args.min_len_ratio, seed=args.seed,
-                stop_rule=args.stop_rule.replace("-", "_"), num_candidates=args.num_candidates,
-                static_cache=args.static_cache, cuda_graphs=args.cuda_graphs)  # fmt: skip
+def decode_options(args: argparse.Namespace) -> DecodeOptions:
+    """The decoding flags as ``DecodeOptions`` (a bad value is the user's: ``InputError``)."""
+    try:
+        return DecodeOptions.from_flags(args)
+    except ValueError as e:
+        raise InputError(str(e)) from e
 
 
 def _units(items: list[Item], split: bool) -> list[tuple[int, Item]]:
@@ -653,7 +634,7 @@ def _refuse_bad_texts(synth: Synthesizer, units: list[tuple[int, Item]], split: 
 
 def synthesize_items(synth: Synthesizer, items: list[Item], args: argparse.Namespace) -> RunResult:
     """Decode every item in batches, write its wav, and report the items that failed."""
-    kwargs = {} if args.continual else decode_options(args)
+    options = decode_options(args)
     split = args.split_sentences and not args.continual
     pieces: list[list[torch.Tensor | Failure]] = [[] for _ in items]
     units = _refuse_bad_texts(synth, _units(items, split), split, pieces)
@@ -663,8 +644,7 @@ def synthesize_items(synth: Synthesizer, items: list[Item], args: argparse.Names
         batch = units[start : start + bs]
         for (i, _), result in zip(batch, synth.synthesize([u for _, u in batch],
                                                           continual=args.continual,
-                                                          nar_decoding=args.nar_decoding,
-                                                          **kwargs)):  # fmt: skip
+                                                          options=options)):  # fmt: skip
             pieces[i].append(result)
         done = min(start + bs, len(units))
         if len(units) > bs:
@@ -719,11 +699,11 @@ def run(args: argparse.Namespace) -> RunResult:
     vocos_weights = resolve_vocos(args)
     torch.manual_seed(args.seed)
     model, config, table, audio_tokenizer = load_for_synthesis(args, device)
+    decoder = build_vocos(config, device, vocos_weights, args) if args.decoder == "vocos" else None
     synth = Synthesizer(model, table, audio_tokenizer, device, language=args.language,
                         prompt_language=args.prompt_language, checkpoint_config=config,
-                        languages=args.languages, text_extractor=args.text_extractor)  # fmt: skip
-    if args.decoder == "vocos":
-        synth.decoder = build_vocos(config, device, vocos_weights, args)
+                        languages=args.languages, text_extractor=args.text_extractor,
+                        decoder=decoder)  # fmt: skip
     return synthesize_items(synth, items, args)
 
 

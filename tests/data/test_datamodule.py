@@ -6,19 +6,19 @@ import pytest
 import torch
 from lhotse import CutSet
 
-from valle.data.datamodule import TtsDataModule
+from valle.data.datamodule import TtsDataModule, add_data_flags
 from valle.data.validation import NoCutsLeftError
 
 
 def make_dm(tiny_data, *extra, **attrs):
     parser = argparse.ArgumentParser()
-    TtsDataModule.add_arguments(parser)
+    add_data_flags(parser)
     args = parser.parse_args(["--manifest-dir", str(tiny_data), "--dataset", "tiny", "--max-duration", "6",
                               "--max-text-tokens", "120", "--num-buckets", "2", "--num-workers", "0", *extra])
     args.seed = 7
     for k, v in attrs.items():
         setattr(args, k, v)
-    return TtsDataModule(args)
+    return TtsDataModule.from_flags(args)
 
 
 def ids_of(batches):
@@ -159,11 +159,27 @@ def test_shar_state_checks_format_world_size_and_seed(tiny_data, tiny_shar):
                 0, 1, sampler_state={**shar_state, **bad})
 
 
-def test_filters_are_reported_and_empty_result_names_the_filter(tiny_data):
+def test_filters_are_reported_and_empty_result_names_the_filter(tiny_data, tmp_path, caplog):
     dm = make_dm(tiny_data, "--filter-max-duration", "2.0")
-    dm.train_dataloader(0, 1)
-    assert dm.filter_report.counts.get("too_long", 0) > 0
-    assert all(e.reason == "too_long" for e in dm.filter_report.entries)
+    loader = dm.train_dataloader(0, 1)
+    assert not dm.filter_report.entries  # no pass at start: listed as the sampler meets them
+    for _epoch in range(2):
+        list(loader)
+        assert dm.filter_report.counts.get("too_long", 0) > 0
+        assert all(e.reason == "too_long" for e in dm.filter_report.entries)
+        streamed = sorted(e.cut_id for e in dm.filter_report.entries)  # each cut once
+        assert len(set(streamed)) == len(streamed)
+    # a corpus without extremes records: the old pass at start, with a warning, same report
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in tiny_data.iterdir():
+        if "_extremes_" not in f.name:
+            (old / f.name).symlink_to(f)
+    with caplog.at_level("WARNING", logger="valle.data.datamodule"):
+        passed = make_dm(old, "--filter-max-duration", "2.0")
+        passed.train_dataloader(0, 1)
+    assert sorted(e.cut_id for e in passed.filter_report.entries) == streamed
+    assert any("python -m valle.data.recipe extremes" in r.getMessage() for r in caplog.records)
     n_train = len(CutSet.from_file(tiny_data / "tiny_cuts_train.jsonl.gz"))
     with pytest.raises(NoCutsLeftError, match=f"--filter-max-duration 0.5 removed all {n_train} cuts"):
         make_dm(tiny_data, "--filter-max-duration", "0.5").train_dataloader(0, 1)
@@ -177,23 +193,23 @@ def test_text_budget_is_on_by_default_and_derived_from_the_corpus(tiny_data, tmp
     from valle.data.datamodule import DEFAULT_TEXT_TOKENS_PER_SECOND, TEXT_BUDGET_MARGIN
 
     parser = argparse.ArgumentParser()
-    TtsDataModule.add_arguments(parser)
+    add_data_flags(parser)
     base = ["--dataset", "tiny", "--max-duration", "6", "--num-buckets", "2", "--num-workers", "0"]
     rate = json.loads((tiny_data / "tiny_text_stats.json").read_text())["total"]["text_tokens_per_second_p99"]
     with caplog.at_level(logging.INFO, logger="valle.data.datamodule"):
         args = parser.parse_args(["--manifest-dir", str(tiny_data), *base])
         args.seed = 0
-        dm = TtsDataModule(args)
+        dm = TtsDataModule.from_flags(args)
     budget = math.ceil(TEXT_BUDGET_MARGIN * rate * 6)
-    assert 10 < rate < 40 and dm.args.max_text_tokens == budget
+    assert 10 < rate < 40 and dm.cfg.max_text_tokens == budget
     assert f"--max-text-tokens {budget} = " in caplog.text and "tiny_text_stats.json" in caplog.text
     for batch in dm.train_dataloader(0, 1):
         assert batch["text_tokens"].numel() <= budget  # padded tokens, bos/eos included
     # no statistics next to the manifests: the documented constant
     args = parser.parse_args(["--manifest-dir", str(tmp_path), *base])
-    assert TtsDataModule(args).args.max_text_tokens == math.ceil(TEXT_BUDGET_MARGIN * DEFAULT_TEXT_TOKENS_PER_SECOND * 6)
-    assert TtsDataModule(parser.parse_args(["--max-text-tokens", "off", *base])).args.max_text_tokens is None
-    assert TtsDataModule(parser.parse_args(["--max-text-tokens", "77", *base])).args.max_text_tokens == 77
+    assert TtsDataModule.from_flags(args).cfg.max_text_tokens == math.ceil(TEXT_BUDGET_MARGIN * DEFAULT_TEXT_TOKENS_PER_SECOND * 6)
+    assert TtsDataModule.from_flags(parser.parse_args(["--max-text-tokens", "off", *base])).cfg.max_text_tokens is None
+    assert TtsDataModule.from_flags(parser.parse_args(["--max-text-tokens", "77", *base])).cfg.max_text_tokens == 77
 
 
 @pytest.mark.parametrize("device, pinned", [("cpu", False), ("cuda", True)])
@@ -211,3 +227,22 @@ def test_trainer_pins_batches_on_cuda_only(tiny_data, tmp_path, device, pinned):
     # the DataLoaders they build (constructed only: there is no GPU to pin for here)
     assert data.train._batches(0).pin_memory is pinned
     assert data.valid._batches(0).pin_memory is pinned
+
+
+def test_shar_start_up_reads_the_extremes_record_not_the_shards(tiny_data, tiny_shar, tmp_path):
+    shar = tmp_path / "shar" / "train"
+    shar.mkdir(parents=True)
+    for f in tiny_shar.iterdir():
+        (shar / f.name).symlink_to(f)
+    # beside the shard dir, where bin/tokenizer.py --shar-dir and `recipe shar` put it
+    (tmp_path / "shar" / "tiny_extremes_train.json").symlink_to(tiny_data / "tiny_extremes_train.json")
+    from_shar = make_dm(tiny_data, "--shar-dir", str(shar))
+    from_manifest = make_dm(tiny_data)
+    data = from_shar.train_dataloader(0, 1).data
+    # bins from the record's sample (no shard is opened: a missing path is never read)
+    assert data._duration_bins(["/nonexistent/cuts.000000.jsonl.gz"]) == \
+        from_manifest.bucketing("train", from_manifest.constraint())["duration_bins"]
+    ids = {name: [c.id for c in cuts] for name, (_v, cuts) in from_shar.worst_batches().items()}
+    assert ids == {name: [c.id for c in cuts] for name, (_v, cuts) in from_manifest.worst_batches().items()}
+    # without a record: bins from the shards themselves, as before
+    assert make_dm(tiny_data, "--shar-dir", str(tiny_shar)).train_extremes() is None

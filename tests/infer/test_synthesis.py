@@ -25,6 +25,7 @@ from valle.infer import (
     synthesize_items,
 )
 from valle.models import NUM_AUDIO_TOKENS
+from valle.models.generation import DecodeOptions
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "lifeiteng"
 TEXTS = [
@@ -280,7 +281,7 @@ def test_cross_lingual_synthesis(setup, tmp_path):
     n_prompt = int(prompt_lens[0]) + 1  # BOS + the English transcript (+ word separator)
     assert langs[0, :n_prompt].tolist() == [0] * n_prompt
     assert langs[0, n_prompt:].tolist() == [1] * (tokens.shape[1] - n_prompt)
-    [wav] = synth.synthesize([item], top_k=1, max_len_ratio=1.0)
+    [wav] = synth.synthesize([item], options=DecodeOptions(top_k=1, max_len_ratio=1.0))
     assert wav.numel() == tokens.shape[1] * 320
     with pytest.raises(InputError, match="pass --languages"):
         Synthesizer(model, table, FakeCodec(), "cpu", language="cmn")
@@ -308,9 +309,9 @@ def test_static_cache_flag_gives_the_same_audio_and_cuda_graphs_refuse_cpu(setup
     args = _args(tmp_path, **{"--max-len-ratio": 2})
     static = _args(tmp_path, **{"--max-len-ratio": 2, "--static-cache": True})
     options = decode_options(static)
-    assert options["static_cache"] and not options["cuda_graphs"]
-    plain = synth.synthesize(items, **decode_options(args))
-    assert [w.shape for w in synth.synthesize(items, **options)] == [w.shape for w in plain]
+    assert options.static_cache and not options.cuda_graphs
+    plain = synth.synthesize(items, options=decode_options(args))
+    assert [w.shape for w in synth.synthesize(items, options=options)] == [w.shape for w in plain]
     rc = main(["--checkpoint", str(tmp_path / "none.pt"), "--text-prompts", "the dog",
                "--audio-prompts", str(prompt), "--text", "a fox", "--output-dir", str(tmp_path),
                "--device", "cpu", "--cuda-graphs"])  # fmt: skip
@@ -333,7 +334,7 @@ def test_language_auto_says_each_script_in_its_language(setup, tmp_path):
     lengths = [1 + len(said[0]) + 1, len(said[2]) + 1, len(said[4]) + 1]
     expected = [0] * lengths[0] + [1] * lengths[1] + [0] * lengths[2]
     assert synth._text_languages(tokens, token_languages)[0].tolist() == expected
-    [wav] = synth.synthesize([item], top_k=1, max_len_ratio=1.0)
+    [wav] = synth.synthesize([item], options=DecodeOptions(top_k=1, max_len_ratio=1.0))
     assert wav.numel() == tokens.shape[1] * 320
     # a script none of the model's languages reads is refused, naming it
     problem = synth.text_problem(Item("the dog", str(prompt), "Привет", Path(), "item 1"))

@@ -173,12 +173,11 @@ def _initial_params(cfg: SweepConfig, root: Path) -> dict:
     import torch
 
     from valle.models import get_model
-    from valle.train.build import model_hparams
     from valle.train.cli import parse_config
 
     config = parse_config(trainer_argv(root / "initial", cfg, []))
     torch.manual_seed(config.seed)
-    return get_model(model_hparams(config, None)).state_dict()
+    return get_model(config.model).state_dict()
 
 
 def _equal(params: dict, clean: dict | None, initial: dict | None = None,

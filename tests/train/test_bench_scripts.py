@@ -55,3 +55,16 @@ def test_bench_host_demo_on_lhotse_data(tmp_path):
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert too_long.returncode != 0
     assert "fewer than the 400 this needs" in too_long.stderr, too_long.stderr[-2000:]
+
+
+@pytest.mark.timeout(600)
+def test_bench_startup_prints_its_table(tmp_path):
+    proc = subprocess.run([sys.executable, "scripts/bench_startup.py", "--sizes", "30,60", "--repeats", "1",
+                           "--data-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 30 |") or line.startswith("| 60 |")]
+    assert len(rows) == 2 and rows[0].endswith("| 1.00 | 1.00 | 1.00 |")
+    # the replicated part: unique ids, its own extremes record counting them all
+    from valle.data.extremes import Extremes
+
+    assert Extremes.read(tmp_path / "cuts-60" / "tiny_extremes_train.json").count == 60

@@ -252,7 +252,7 @@ def test_manifest_items_skip_a_pair_its_voices_cannot_read_with_a_warning(tmp_pa
         return MonoCut(f"c{i}", 0, 1, 0, supervisions=[sup])
 
     CutSet.from_cuts([cut(0, "do"), cut(1, "你好"), cut(2, "do"), cut(3, "do")]).to_file(tmp_path / "dev.jsonl.gz")
-    module = SimpleNamespace(args=SimpleNamespace(valid_part="dev"), text_tokens_path=lambda: table,
+    module = SimpleNamespace(cfg=SimpleNamespace(valid_part="dev"), text_tokens_path=lambda: table,
                              cuts_path=lambda part: tmp_path / f"{part}.jsonl.gz", languages=lambda: None)
     with caplog.at_level(logging.WARNING):
         items = samples.manifest_items(module, 2)

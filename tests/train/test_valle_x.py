@@ -65,14 +65,14 @@ def _data_args(data: Path) -> list[str]:
 def test_batches_carry_each_rows_language(bilingual):
     import argparse
 
-    from valle.data.datamodule import TtsDataModule
+    from valle.data.datamodule import TtsDataModule, add_data_flags
     from valle.models import add_model_arguments
 
     parser = argparse.ArgumentParser()
-    TtsDataModule.add_arguments(parser)
+    add_data_flags(parser)
     add_model_arguments(parser)
     args = parser.parse_args([*_data_args(bilingual), "--num-languages", "2"])
-    module = TtsDataModule(args)
+    module = TtsDataModule.from_flags(args)
     # the default order: the voices bin/tokenizer.py recorded, sorted
     assert module.languages() == ["de", "en-us"]
     rows = 0
@@ -83,10 +83,10 @@ def test_batches_carry_each_rows_language(bilingual):
     assert rows == 24
 
     args.languages = "en-us,de"  # an explicit order wins
-    assert TtsDataModule(args).languages() == ["en-us", "de"]
+    assert TtsDataModule.from_flags(args).languages() == ["en-us", "de"]
     args.languages, args.num_languages = None, 1
     with pytest.raises(ValueError, match="--num-languages 1 but 2 languages"):
-        TtsDataModule(args).languages()
+        TtsDataModule.from_flags(args).languages()
 
 
 def test_train_then_synthesise_german_from_an_english_prompt(bilingual, tmp_path):

@@ -86,7 +86,7 @@ def write_codec_record(directory: str | os.PathLike, tokenizer) -> Path:
         record["random_weights"] = bool(getattr(tokenizer, "random_weights", False))
     path = Path(directory) / RECORD_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # parallel tokenizer workers write it too
     tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path

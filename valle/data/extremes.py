@@ -6,21 +6,27 @@ pass over the whole manifest at every start (30 minutes on every rank at ~10M cu
 tokenizer sees every cut anyway, so it keeps this record and writes it next to the cuts file
 (``extremes_path``); training reads it instead of the manifest.
 
-What it keeps, per duration bin of ``BIN_SECONDS`` (so the trainer's own duration filters,
-which it only knows at start, cut the record exactly where they cut the corpus):
+A cut is two numbers here, its duration d and its text tokens t. Per duration bin of
+``BIN_SECONDS`` (so the trainer's own duration filters, known only at start, cut the record
+where they cut the corpus), the record keeps three Pareto frontiers, as full cut dicts:
 
-* ``longest``: the ``k`` longest cuts (audio: single_longest_cut, largest_batch_cuts_duration);
-* ``longest_text``: the ``k`` cuts with the most text tokens (single_longest_text);
-* ``densest``: the ``k`` cuts with the most text tokens per second (largest_batch_text_tokens);
-* ``shortest``: the ``k`` shortest cuts (max_num_cuts: the most cuts per batch);
+* ``longest``: no other cut of the bin is at least as long with at most as much text
+  (the longest cut, and for each shorter length the least text: long audio, packed);
+* ``longest_text``: no other cut has at least as much text in at most as much audio
+  (the longest text, and the densest text for each length of text);
+* ``shortest``: no other cut is at most as long with at most as much text (the most cuts
+  per batch).
 
-as full lhotse cut dicts, plus a uniform sample of at most ``sample_size`` (duration, text
-tokens) pairs for bucket boundaries: the cuts whose id hashes lowest (a bottom-k sample, so
-the sample of merged records is the sample of the union), plus the count and total seconds.
+Every score of a batch made of copies of one cut that grows with d and shrinks with t (or
+the reverse, or shrinks with both) is highest on one of these frontiers, which is what the
+pessimistic batches need (``valle.data.pessimistic``). A frontier is a function of the set of
+cuts, so ``merge`` (the frontier of the union) gives the same record in any merge order:
+chunks, parts and workers merge freely. Its size is the number of steps of a staircase: at
+most the distinct text lengths in a bin, in practice a handful (about log n for n cuts).
 
-Every choice is by a total order (value, then cut id), so ``merge`` gives the same record
-whatever the order of the merges: chunks, parts and workers can be merged in any order.
-Memory and file size are bounded by bins x 4 x k cuts plus the sample, not by the corpus.
+Plus a uniform sample of at most ``sample_size`` (duration, text tokens) pairs for bucket
+boundaries: the cuts whose id hashes lowest (a bottom-k sample, so the sample of merged
+records is the sample of the union), and the count and total audio.
 """
 
 from __future__ import annotations
@@ -35,7 +41,6 @@ from typing import Any
 VERSION = 1
 BIN_SECONDS = 0.5  # duration bin width: a training duration filter lands inside one bin
 MAX_BINS = 480  # 240 s; longer cuts share the last bin
-DEFAULT_K = 4  # cuts kept per criterion per bin
 DEFAULT_SAMPLE_SIZE = 8192  # (duration, text tokens) pairs for bucket boundaries
 EXTRA_TOKENS = 2  # bos + eos, as the collater and the sampler count them
 
@@ -46,33 +51,63 @@ def extremes_path(out_dir: Path, prefix: str, part: str) -> Path:
     return Path(out_dir) / f"{prefix}_extremes_{part}.json"
 
 
+def extremes_path_of(cuts_path: Path) -> Path | None:
+    """The record's path for a cuts file named ``{prefix}_cuts_{part}.jsonl.gz`` (None for
+    another name: no trainer looks for its record). A record is written or rewritten with
+    ``python -m valle.data.recipe extremes CUTS`` (one pass over the cuts file)."""
+    name = Path(cuts_path).name
+    if "_cuts_" not in name or not name.endswith(".jsonl.gz"):
+        return None
+    prefix, part = name[: -len(".jsonl.gz")].rsplit("_cuts_", 1)
+    return extremes_path(Path(cuts_path).parent, prefix, part)
+
+
 @dataclass(frozen=True)
 class Entry:
-    """One cut the record keeps: the numbers the criteria rank by, and the cut itself."""
+    """One cut the record keeps: the numbers the frontiers are made of, and the cut itself."""
 
     cut_id: str
     duration: float
     text_tokens: int
     cut: dict[str, Any]
 
-    @property
-    def text_rate(self) -> float:
-        """Text tokens (bos/eos included) per second of audio."""
-        return (self.text_tokens + EXTRA_TOKENS) / max(self.duration, 1e-3)
 
-
-# Each criterion ranks entries by a key; the record keeps the k smallest keys per bin. The
-# cut id ends every key, so ties break the same way in every merge order.
-CRITERIA: dict[str, Callable[[Entry], tuple]] = {
-    "longest": lambda e: (-e.duration, -e.text_tokens, e.cut_id),
-    "longest_text": lambda e: (-e.text_tokens, -e.duration, e.cut_id),
-    "densest": lambda e: (-e.text_rate, -e.duration, e.cut_id),
-    "shortest": lambda e: (e.duration, -e.text_tokens, e.cut_id),
+# Per frontier, the two numbers it maximises (a cut stays unless another is at least as good
+# in both). The cut id breaks exact ties, so the frontier depends on the set of cuts only.
+FRONTIERS: dict[str, Callable[[Entry], tuple[float, float]]] = {
+    "longest": lambda e: (e.duration, -e.text_tokens),
+    "longest_text": lambda e: (e.text_tokens, -e.duration),
+    "shortest": lambda e: (-e.duration, -e.text_tokens),
 }
+
+
+def frontier(entries: Iterable[Entry], name: str) -> list[Entry]:
+    """The Pareto frontier of ``entries`` under ``FRONTIERS[name]``, best first."""
+    goal = FRONTIERS[name]
+    out: list[Entry] = []
+    for e in sorted(entries, key=lambda e: (-goal(e)[0], -goal(e)[1], e.cut_id)):
+        if not out or goal(e)[1] > goal(out[-1])[1]:
+            out.append(e)
+    return out
+
+
+def dominated(entry: Entry, kept: list[Entry], name: str) -> bool:
+    """Is ``entry`` off the frontier ``kept`` (or an exact tie with a smaller cut id)?"""
+    goal = FRONTIERS[name]
+    g = goal(entry)
+    for other in kept:
+        o = goal(other)
+        if o[0] >= g[0] and o[1] >= g[1] and (o != g or other.cut_id <= entry.cut_id):
+            return True
+    return False
 
 
 def duration_bin(duration: float) -> int:
     return min(MAX_BINS - 1, max(0, int(duration / BIN_SECONDS)))
+
+
+def bin_start(index: int) -> float:
+    return index * BIN_SECONDS
 
 
 def sample_key(cut_id: str) -> int:
@@ -82,29 +117,20 @@ def sample_key(cut_id: str) -> int:
 
 @dataclass
 class Bin:
-    """The cuts kept for one duration bin: per criterion, the k best entries, sorted."""
+    """The cuts kept for one duration bin: its frontiers, best first."""
 
     count: int = 0
-    best: dict[str, list[Entry]] = field(default_factory=lambda: {name: [] for name in CRITERIA})
+    best: dict[str, list[Entry]] = field(default_factory=lambda: {name: [] for name in FRONTIERS})
 
-    def wants(self, name: str, entry: Entry, k: int) -> bool:
-        kept = self.best[name]
-        return len(kept) < k or CRITERIA[name](entry) < CRITERIA[name](kept[-1])
-
-    def offer(self, name: str, entry: Entry, k: int) -> None:
-        kept = self.best[name]
-        if any(e.cut_id == entry.cut_id for e in kept):
-            return
-        kept.append(entry)
-        kept.sort(key=CRITERIA[name])
-        del kept[k:]
+    def offer(self, name: str, entry: Entry) -> None:
+        if not dominated(entry, self.best[name], name):
+            self.best[name] = frontier(self.best[name] + [entry], name)
 
 
 @dataclass
 class Extremes:
     """See the module docstring. ``add`` takes a tokenized lhotse cut."""
 
-    k: int = DEFAULT_K
     sample_size: int = DEFAULT_SAMPLE_SIZE
     count: int = 0
     microseconds: int = 0  # total audio; an integer, so sums do not depend on merge order
@@ -114,27 +140,28 @@ class Extremes:
 
     # ---- building ------------------------------------------------------------------------
     def add(self, cut) -> None:
-        from valle.data.collation import num_text_tokens  # torch: not for add_dict's light callers
+        """A tokenized lhotse cut."""
+        # Imported here: collation needs torch, which the dict-only recipe steps do not load.
+        from valle.data.collation import num_text_tokens
 
-        self._add(cut.id, cut.duration, num_text_tokens(cut), cut.to_dict)
+        self._add(cut.id, float(cut.duration), num_text_tokens(cut), cut.to_dict)
 
     def add_dict(self, cut: dict[str, Any]) -> None:
-        """``add`` for a cut as its manifest line holds it (the recipe steps stream JSON, with
-        neither lhotse nor torch): a line lhotse wrote is the ``to_dict`` of the cut it loads."""
-        self._add(cut["id"], cut["duration"], _dict_text_tokens(cut), lambda: cut)
+        """A tokenized cut as its manifest line's dict (the recipe steps read no lhotse)."""
+        self._add(cut["id"], float(cut["duration"]), _dict_text_tokens(cut), lambda: cut)
 
-    def _add(self, cut_id: str, duration: float, tokens: int, to_dict: Callable[[], dict]) -> None:
+    def _add(self, cut_id: str, duration: float, tokens: int, as_dict: Callable[[], dict]) -> None:
         self.count += 1
         self.microseconds += round(duration * 1e6)
-        self._add_sample((sample_key(cut_id), float(duration), tokens))
-        probe = Entry(cut_id, float(duration), tokens, {})
+        self._add_sample((sample_key(cut_id), duration, tokens))
+        probe = Entry(cut_id, duration, tokens, {})
         b = self.bins.setdefault(duration_bin(duration), Bin())
         b.count += 1
-        wanted = [name for name in CRITERIA if b.wants(name, probe, self.k)]
+        wanted = [name for name in FRONTIERS if not dominated(probe, b.best[name], name)]
         if wanted:  # the dict is made only for cuts that are kept
-            entry = Entry(cut_id, float(duration), tokens, to_dict())
+            entry = Entry(cut_id, duration, tokens, as_dict())
             for name in wanted:
-                b.offer(name, entry, self.k)
+                b.offer(name, entry)
 
     def _add_sample(self, item: tuple[int, float, int]) -> None:
         if self._sample_cutoff is not None and item >= self._sample_cutoff:
@@ -149,9 +176,9 @@ class Extremes:
 
     def merge(self, other: Extremes) -> Extremes:
         """Fold ``other`` into this record (in place; returns self). Order-independent."""
-        if (self.k, self.sample_size) != (other.k, other.sample_size):
-            raise ValueError(f"extremes records of different sizes cannot be merged: k {self.k} vs "
-                             f"{other.k}, sample {self.sample_size} vs {other.sample_size}")
+        if self.sample_size != other.sample_size:
+            raise ValueError(f"extremes records with samples of {self.sample_size} and "
+                             f"{other.sample_size} cannot be merged")
         self.count += other.count
         self.microseconds += other.microseconds
         for index, theirs in other.bins.items():
@@ -159,7 +186,7 @@ class Extremes:
             mine.count += theirs.count
             for name, entries in theirs.best.items():
                 for entry in entries:
-                    mine.offer(name, entry, self.k)
+                    mine.offer(name, entry)
         self.sample += other.sample
         self._trim_sample()
         return self
@@ -177,9 +204,9 @@ class Extremes:
         return self.microseconds / 1e6
 
     def entries(self, name: str) -> list[Entry]:
-        """Every entry kept for criterion ``name``, best first across bins."""
+        """The frontier ``name`` across bins, best first."""
         out = [e for b in self.bins.values() for e in b.best[name]]
-        return sorted(out, key=CRITERIA[name])
+        return frontier(out, name)
 
     def all_entries(self) -> list[Entry]:
         """Each kept cut once, in id order."""
@@ -196,10 +223,10 @@ class Extremes:
         self._trim_sample()
         cuts = {e.cut_id: e.cut for e in self.all_entries()}
         return {
-            "version": VERSION, "k": self.k, "sample_size": self.sample_size,
+            "version": VERSION, "sample_size": self.sample_size,
             "bin_seconds": BIN_SECONDS, "count": self.count, "microseconds": self.microseconds,
             "bins": {str(i): {"count": b.count,
-                              **{name: [e.cut_id for e in b.best[name]] for name in CRITERIA}}
+                              **{name: [e.cut_id for e in b.best[name]] for name in FRONTIERS}}
                      for i, b in sorted(self.bins.items())},
             "cuts": cuts,
             "sample": [list(s) for s in self.sample],
@@ -210,15 +237,15 @@ class Extremes:
         if data.get("version") != VERSION or data.get("bin_seconds") != BIN_SECONDS:
             raise ValueError(f"extremes record version {data.get('version')} / bins of "
                              f"{data.get('bin_seconds')} s: this build reads version {VERSION} "
-                             f"with bins of {BIN_SECONDS} s (rewrite it: bin/tokenizer.py --extremes-only)")
+                             f"with bins of {BIN_SECONDS} s (rewrite it: python -m valle.data.recipe extremes CUTS)")
         entries = {cut_id: Entry(cut_id, float(d["duration"]), _dict_text_tokens(d), d)
                    for cut_id, d in data["cuts"].items()}
-        record = cls(k=int(data["k"]), sample_size=int(data["sample_size"]),
+        record = cls(sample_size=int(data["sample_size"]),
                      count=int(data["count"]), microseconds=int(data["microseconds"]))
         for index, d in data["bins"].items():
             b = record.bins[int(index)] = Bin(count=int(d["count"]))
-            for name in CRITERIA:
-                b.best[name] = sorted((entries[i] for i in d[name]), key=CRITERIA[name])
+            for name in FRONTIERS:
+                b.best[name] = frontier((entries[i] for i in d[name]), name)
         record.sample = [(int(k), float(dur), int(t)) for k, dur, t in data["sample"]]
         record._trim_sample()
         return record

@@ -73,23 +73,33 @@ def _deserialize(path: Path, cls, report: V.ValidationReport) -> dict:
 
 class PartCuts:
     """The cuts of a part (one per supervision, in supervision order), streamed: recordings
-    are indexed in memory, supervisions are read twice: a first pass checks them, reports
-    problems to ``report`` and keeps only the cut ids; iterating makes the cuts again, one
-    at a time, so a part's cuts are never all in memory. Cut ids are supervision ids."""
+    are indexed in memory, supervisions are read three times: a first pass finds repeated ids
+    (8 bytes per supervision, freed after), a second checks them, reports problems to
+    ``report`` and keeps only their count and a digest of their ids; iterating makes the cuts
+    again, one at a time, so a part's cuts (or their ids) are never all in memory. Cut ids
+    are supervision ids."""
 
     def __init__(self, rec_path: str | os.PathLike, sup_path: str | os.PathLike,
                  report: V.ValidationReport) -> None:
+        import hashlib
+
         from lhotse import Recording
 
         self.rec_path, self.sup_path = Path(rec_path), Path(sup_path)
         self.recordings = _deserialize(self.rec_path, Recording, report)
+        self.repeated_hashes = _repeated_id_hashes(self.sup_path)
         used: set[str] = set()
-        self.ids = [cut.id for cut in self._cuts(report, used)]
+        digest, self.num_cuts = hashlib.sha1(), 0
+        for cut in self._cuts(report, used):
+            # the digest of "\n".join(ids), computed while streaming
+            digest.update((("\n" if self.num_cuts else "") + cut.id).encode())
+            self.num_cuts += 1
+        self.ids_sha1 = digest.hexdigest()
         for rec_id in self.recordings.keys() - used:
             report.add(rec_id, V.NO_SUPERVISION, "recording without a supervision")
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return self.num_cuts
 
     def __iter__(self) -> Iterator:
         return self._cuts(V.ValidationReport(), set())  # problems were reported by the first pass
@@ -99,7 +109,7 @@ class PartCuts:
         from lhotse.cut import MonoCut
         from lhotse.utils import fastcopy
 
-        seen: set[str] = set()
+        seen: set[str] = set()  # only ids whose hash repeats: small
         for d in read_jsonl(self.sup_path):
             sup_id = str(d.get("id", "<no id>")) if isinstance(d, dict) else "<not an object>"
             try:
@@ -107,10 +117,11 @@ class PartCuts:
             except Exception as e:  # lhotse raises TypeError/KeyError/ValueError on bad fields
                 report.add(sup_id, V.BAD_MANIFEST_ITEM, f"{self.sup_path.name}: {type(e).__name__}: {e}"[:300])
                 continue
-            if sup.id in seen:
-                report.add(sup.id, V.DUPLICATE_ID, f"id repeated in {self.sup_path.name} (the first is kept)")
-                continue
-            seen.add(sup.id)
+            if hash(sup.id) in self.repeated_hashes:
+                if sup.id in seen:
+                    report.add(sup.id, V.DUPLICATE_ID, f"id repeated in {self.sup_path.name} (the first is kept)")
+                    continue
+                seen.add(sup.id)
             rec = self.recordings.get(sup.recording_id)
             if rec is None:
                 report.add(sup.id, V.NO_RECORDING, f"recording {sup.recording_id!r} is not in {self.rec_path.name}")
@@ -125,6 +136,24 @@ class PartCuts:
             duration = min(sup.duration, rec.duration - sup.start)
             yield MonoCut(id=sup.id, start=sup.start, duration=duration, channel=sup.channel, recording=rec,
                           supervisions=[fastcopy(sup, start=0.0, duration=duration)])
+
+
+def _repeated_id_hashes(sup_path: Path) -> set[int]:
+    """Hashes (this process's ``hash``) of the ids that occur more than once in a supervisions
+    manifest: about 9 bytes per line while it runs (sorted in place), then only the repeats."""
+    from array import array
+
+    import numpy as np
+
+    hashes = array("q", (hash(str(d.get("id", "<no id>")) if isinstance(d, dict) else "<not an object>")
+                         for d in read_jsonl(sup_path)))
+    if len(hashes) < 2:
+        return set()
+    view = np.frombuffer(hashes, dtype=np.int64)
+    view.sort()
+    repeated = {int(h) for h in view[1:][view[1:] == view[:-1]]}
+    del view
+    return repeated
 
 
 def load_cuts(rec_path: str | os.PathLike, sup_path: str | os.PathLike,

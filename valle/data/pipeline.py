@@ -32,6 +32,7 @@ import torch
 from valle.data import validation as V
 from valle.data.extremes import Extremes, extremes_path
 from valle.data.progress import Progress
+from valle.data.sharding import Shard
 
 logger = logging.getLogger("tokenizer")
 
@@ -248,6 +249,8 @@ class PartTokenizer:
             "extremes": extremes_path(o, p, part),
             "chunks": o / f".{p}_chunks_{part}",
             "storage": o / f"{p}_{self.codec.name}_{part}",
+            "lock": o / f".{p}_join_{part}",  # workers agree on the plan and on who joins under it
+            **({"shar": self.opts.shar_dir / part} if self.opts.shar_dir is not None else {}),
         }
 
     # --- text ------------------------------------------------------------------
@@ -352,58 +355,96 @@ class PartTokenizer:
         meta = {"checked": report.checked, "bad": [[e.cut_id, e.reason, e.detail] for e in report.entries],
                 "symbols": sorted(seen), "stats": stats.to_json(),
                 "extremes": Extremes.of(encoded).to_json()}
+        if self.opts.shar_dir is not None:
+            meta["shar_shards"] = self.write_shar_chunk(shar_staging(paths["shar"]), index, encoded)
         # The meta file is the chunk's "done" marker: written last.
         _atomic_write(paths["chunks"] / f"{index:06d}.json", json.dumps(meta, ensure_ascii=False))
         return meta
 
-    @staticmethod
-    def _check_plan(part: str, chunk_dir: Path, ids: list[str], size: int) -> None:
+    def _check_plan(self, part: str, paths: dict[str, Path], plan: dict) -> None:
         """Finished chunks are reused only for the same cuts and chunk size; otherwise (the
-        manifest or --chunk-size changed) they are discarded, and the log says so."""
-        import hashlib
-
-        digest = hashlib.sha1("\n".join(ids).encode()).hexdigest()
-        plan = {"chunk_size": size, "num_cuts": len(ids), "cut_ids_sha1": digest}
-        plan_path = chunk_dir / "plan.json"
+        manifest or --chunk-size changed) they are discarded, and the log says so. Under the
+        part's lock: workers starting together agree on one plan."""
+        chunk_dir, plan_path = paths["chunks"], paths["chunks"] / "plan.json"
         if plan_path.is_file() and json.loads(plan_path.read_text()) != plan:
             logger.warning("part %s: the cuts or --chunk-size changed since %s was started: "
                            "its finished chunks are discarded", part, chunk_dir)
             shutil.rmtree(chunk_dir)
+            if "shar" in paths:
+                shutil.rmtree(shar_staging(paths["shar"]), ignore_errors=True)
         chunk_dir.mkdir(parents=True, exist_ok=True)
         if not plan_path.is_file():
             _atomic_write(plan_path, json.dumps(plan))
 
-    def run(self, part: str, cuts, load_report: V.ValidationReport) -> tuple[V.ValidationReport, Stats]:
-        from lhotse import CutSet
+    @staticmethod
+    def _meta_path(paths: dict[str, Path], index: int) -> Path:
+        return paths["chunks"] / f"{index:06d}.json"
 
+    def _read_meta(self, paths: dict[str, Path], index: int) -> dict:
+        return json.loads(self._meta_path(paths, index).read_text(encoding="utf-8"))
+
+    def run(self, part: str, cuts, load_report: V.ValidationReport,
+            shard: Shard | None = None) -> tuple[V.ValidationReport, Stats] | None:
+        """Tokenize this worker's chunks of the part; the worker that finds every chunk done
+        joins the part. Returns the part's report and statistics when this call joined it,
+        None when other workers' chunks are still missing (the last to finish joins) or
+        another worker joined it already."""
+        shard = shard or Shard()
         paths = self.paths(part)
-        size = max(1, self.opts.chunk_size)
-        n_chunks = math.ceil(len(cuts) / size)
-        ids = getattr(cuts, "ids", None) or [c.id for c in cuts]
-        self._check_plan(part, paths["chunks"], ids, size)
-        metas: dict[int, dict] = {}
-        for i in range(n_chunks):
-            meta_path = paths["chunks"] / f"{i:06d}.json"
-            if meta_path.is_file():
-                metas[i] = json.loads(meta_path.read_text(encoding="utf-8"))
-        if metas:
-            logger.info("part %s: resuming, %d of %d chunks already done", part, len(metas), n_chunks)
-        progress = Progress(len(cuts), f"tokenize {part}", logger, self.opts.log_interval,
-                            done=sum(min(size, len(cuts) - i * size) for i in metas))
+        plan = streaming_plan(cuts, max(1, self.opts.chunk_size))
+        size, n_chunks = plan["chunk_size"], math.ceil(plan["num_cuts"] / plan["chunk_size"])
+        self.opts.output_dir.mkdir(parents=True, exist_ok=True)
+        with _lock(paths["lock"]):
+            if paths["cuts"].is_file():
+                logger.info("part %s: joined by another worker already", part)
+                return None
+            self._check_plan(part, paths, plan)
+        mine = [i for i in range(n_chunks) if shard.owns(i)]
+        # chunk numbers only: the metas (with their extremes records) are read one at a time
+        done = {i for i in mine if self._meta_path(paths, i).is_file()}
+        if done:
+            logger.info("part %s: resuming, %d of %d chunks already done", part, len(done), len(mine))
+        my_cuts = sum(min(size, plan["num_cuts"] - i * size) for i in mine)
+        progress = Progress(my_cuts, f"tokenize {part}" + ("" if shard.alone else f" [{shard.index}/{shard.count}]"),
+                            logger, self.opts.log_interval,
+                            done=sum(min(size, plan["num_cuts"] - i * size) for i in done))
         stream = iter(cuts)  # one chunk of cuts in memory at a time
         try:
             for i in range(n_chunks):
-                chunk = list(islice(stream, size))
-                if i not in metas:
-                    metas[i] = self.run_chunk(i, chunk, paths, progress)
+                if i in done or not shard.owns(i):
+                    for _ in islice(stream, size):  # another worker's chunk, or done: skip it
+                        pass
+                    continue
+                self.run_chunk(i, list(islice(stream, size)), paths, progress)
+                done.add(i)
         finally:
             progress.close()
-        # Join: the report (manifest problems first), statistics, the cuts file (last: it is
-        # the "part done" marker), the shared symbol table and text statistics.
+        with _lock(paths["lock"]):
+            if paths["cuts"].is_file():
+                return None
+            missing = [i for i in range(n_chunks) if not self._meta_path(paths, i).is_file()]
+            if missing:
+                logger.info("part %s: %s done; %d of %d chunks still with other workers (the last "
+                            "to finish joins the part)", part, shard.describe(), len(missing), n_chunks)
+                return None
+            return self.join(part, n_chunks, load_report)
+
+    def join(self, part: str, n_chunks: int, load_report: V.ValidationReport) -> tuple[V.ValidationReport, Stats]:
+        """Every chunk is done: the report (manifest problems first), statistics, the extremes
+        record (every chunk's, merged), Shar shards numbered in chunk order (and the extremes
+        record in --shar-dir, beside the part's shard dir), the shared symbol table and text
+        statistics, and last the cuts file (the "part done" marker). Chunk order alone decides
+        the output: the same whichever worker joins and whatever order the chunks finished in.
+        Chunk metas are read one at a time, so memory does not grow with the part."""
+        from lhotse import CutSet
+
+        paths = self.paths(part)
         report, stats, seen, extremes = V.ValidationReport(), Stats(), set(), Extremes()
+        shar_shards: list[int] = []
         report.extend(load_report)
         for i in range(n_chunks):
-            m = metas[i]
+            m = self._read_meta(paths, i)
+            shar_shards.append(m.get("shar_shards", 0))
             report.checked += m["checked"]
             for cut_id, reason, detail in m["bad"]:
                 report.add(cut_id, reason, detail)
@@ -412,19 +453,86 @@ class PartTokenizer:
             extremes.merge(chunk_extremes(m, paths["chunks"] / f"{i:06d}.{self.opts.suffix}"))
         report.write(paths["report"])
         _atomic_write(paths["stats"], json.dumps(stats.to_json(), indent=1, ensure_ascii=False))
-        extremes.write(paths["extremes"])
         if self.fixed_table is None:
             added = merge_symbols(self.opts.output_dir / TEXT_TOKENS_FILE, seen)
             logger.info("part %s: %d new symbols in %s", part, added, TEXT_TOKENS_FILE)
         merge_text_stats(text_stats_path(self.opts.output_dir, self.opts.prefix), part, stats)
+        if "shar" in paths:
+            join_shar_chunks(shar_staging(paths["shar"]), paths["shar"], shar_shards)
+            # beside the part's shards, for the same reason as the staging dir
+            extremes.write(extremes_path(self.opts.shar_dir, self.opts.prefix, part))
         tmp = paths["cuts"].with_name(".tmp." + paths["cuts"].name)
         with CutSet.open_writer(tmp) as writer:
             for i in range(n_chunks):
                 for cut in CutSet.from_jsonl_lazy(paths["chunks"] / f"{i:06d}.{self.opts.suffix}"):
                     writer.write(cut)
         os.replace(tmp, paths["cuts"])
+        # After the cuts file: the trainer takes a record older than its cuts for a stale one.
+        extremes.write(paths["extremes"])
         shutil.rmtree(paths["chunks"], ignore_errors=True)
         return report, stats
+
+    # --- Shar, written by the workers ----------------------------------------------
+    def write_shar_chunk(self, staging: Path, index: int, cuts: list) -> int:
+        """The chunk's cuts with their codes as Shar shards in a staging folder of its own
+        (renamed into place atomically); the join numbers them. Returns the shard count."""
+        from lhotse import CutSet
+
+        if not cuts:
+            return 0
+        final = staging / f"{index:06d}"
+        tmp = final.with_name(f".tmp.{index:06d}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        written = CutSet.from_cuts(cuts).to_shar(tmp, fields={"features": "numpy"},
+                                                 shard_size=self.opts.shar_shard_size, warn_unused_fields=False)
+        os.replace(tmp, final)
+        return len(written["cuts"])
+
+
+def shar_staging(shar_part_dir: Path) -> Path:
+    """Where workers leave each chunk's Shar shards until the join numbers them: beside the
+    part's Shar dir, not in it (lhotse's ``from_shar(in_dir=...)`` takes every entry there
+    for a field)."""
+    return shar_part_dir.with_name(f".{shar_part_dir.name}_chunks")
+
+
+def streaming_plan(cuts, chunk_size: int) -> dict:
+    """What a part's chunks are made of: the cut count and a digest of the ids in order,
+    without a list of them (a ``PartCuts`` has them from its checking pass; anything else
+    is streamed once)."""
+    import hashlib
+
+    if hasattr(cuts, "ids_sha1"):
+        return {"chunk_size": chunk_size, "num_cuts": len(cuts), "cut_ids_sha1": cuts.ids_sha1}
+    digest, n = hashlib.sha1(), 0
+    for cut in cuts:
+        digest.update((("\n" if n else "") + cut.id).encode())
+        n += 1
+    return {"chunk_size": chunk_size, "num_cuts": n, "cut_ids_sha1": digest.hexdigest()}
+
+
+def join_shar_chunks(staging: Path, shar_dir: Path, shards_per_chunk: list[int]) -> int:
+    """Move each chunk's Shar shards to ``shar_dir``, numbered in chunk order (a rename each,
+    no data read). Idempotent: a join that died half-way is finished by the next. Returns
+    the number of shards."""
+    shar_dir.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for chunk, count in enumerate(shards_per_chunk):
+        for j in range(count):
+            for kind, ext in (("cuts", "jsonl.gz"), ("features", "tar")):
+                src = staging / f"{chunk:06d}" / f"{kind}.{j:06d}.{ext}"
+                dst = shar_dir / f"{kind}.{n:06d}.{ext}"
+                if src.is_file():
+                    os.replace(src, dst)
+                elif not dst.is_file():
+                    raise FileNotFoundError(f"Shar join: {src} is missing (and {dst} was not made): "
+                                            f"delete {staging.parent} and tokenize the part again")
+            n += 1
+    shutil.rmtree(staging, ignore_errors=True)
+    logger.info("Shar: %d shard(s) in %s", n, shar_dir)
+    return n
 
 
 def export_shar(cuts_path: Path, shar_dir: Path, shard_size: int) -> list[str]:

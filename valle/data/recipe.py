@@ -20,10 +20,12 @@ import gzip
 import json
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
 from valle.data import validation as V
+from valle.data.extremes import Extremes, extremes_path_of
 from valle.data.manifests import ManifestError
 
 logger = logging.getLogger("recipe")
@@ -95,14 +97,10 @@ class RecordOnTheWay:
     (bounded memory); none, said once, for a name the trainer never reads."""
 
     def __init__(self, output: Path) -> None:
-        from valle.data.extremes import Extremes
-
         self.output = Path(output)
-        try:
-            self.target: Path | None = extremes_of_manifest(output)
-        except ManifestError as e:
-            print(f"no extremes record: {e}")
-            self.target = None
+        self.target = extremes_path_of(output)
+        if self.target is None:
+            print(f"no extremes record: {output} is not named {{prefix}}_cuts_{{part}}.jsonl.gz")
         self.record = Extremes()
 
     def add(self, cut: dict, source: Path) -> None:
@@ -233,6 +231,11 @@ def shar(path: Path, out_dir: Path, shard_size: int) -> list[str]:
     if not Path(path).is_file():
         raise ManifestError(f"{path}: no such cut manifest")
     files = export_shar(Path(path), Path(out_dir), shard_size)
+    record = extremes_path_of(path)
+    if record is not None and record.is_file():
+        # beside the shard dir, where the trainer's --shar-dir looks for it (valle/data/shar.py)
+        prefix = record.name.split("_extremes_")[0]
+        shutil.copyfile(record, Path(out_dir).parent / f"{prefix}_extremes_{Path(out_dir).name}.json")
     print(f"shar: {path} -> {out_dir} ({sum(1 for f in files if '/cuts.' in f)} shard(s))")
     return files
 
@@ -240,14 +243,10 @@ def shar(path: Path, out_dir: Path, shard_size: int) -> list[str]:
 def extremes_of_manifest(path: Path) -> Path:
     """``{prefix}_extremes_{part}.json`` for ``{prefix}_cuts_{part}.jsonl.gz``: where the trainer
     looks for the part's extremes record (``valle.data.extremes``)."""
-    from valle.data.extremes import extremes_path
-
-    name = Path(path).name
-    prefix, sep, rest = name.partition("_cuts_")
-    part = rest.split(".")[0]
-    if not (sep and prefix and part):
+    out = extremes_path_of(path)
+    if out is None:
         raise ManifestError(f"{path}: not named {{prefix}}_cuts_{{part}}.jsonl.gz: no extremes record name for it")
-    return extremes_path(Path(path).parent, prefix, part)
+    return out
 
 
 def write_extremes(path: Path) -> Path:

@@ -104,15 +104,19 @@ class TextTokenConstraint(TimeConstraint):
         """Does this list of cuts respect every budget (padded costs)?"""
         if not cuts:
             return True
-        n = len(cuts)
-        if self.max_cuts is not None and n > self.max_cuts:
+        longest_text = max(self.text_length(c) for c in cuts) if self.max_text_tokens is not None else 0
+        return self.fits_sizes(len(cuts), max(c.duration for c in cuts), longest_text)
+
+    def fits_sizes(self, num_cuts: int, longest_duration: float, longest_text: int) -> bool:
+        """Does a batch of ``num_cuts`` cuts, the longest ``longest_duration`` seconds and
+        ``longest_text`` text tokens (bos/eos included), respect every budget?"""
+        if self.max_cuts is not None and num_cuts > self.max_cuts:
             return False
         if self.max_duration is not None:
-            if n * max(self.duration_cost(c.duration) for c in cuts) > self.max_duration + 1e-9:
+            if num_cuts * self.duration_cost(longest_duration) > self.max_duration + 1e-9:
                 return False
-        if self.max_text_tokens is not None:
-            if n * max(self.text_length(c) for c in cuts) > self.max_text_tokens:
-                return False
+        if self.max_text_tokens is not None and num_cuts * longest_text > self.max_text_tokens:
+            return False
         return True
 
     def single_fits(self, cut) -> bool:
@@ -164,3 +168,17 @@ class BudgetedSampler:
                 if index >= skip:
                     yield CutSet.from_cuts(part)
                 index += 1
+
+
+def bucket_bins(durations: Sequence[float], num_buckets: int, constraint) -> list[float]:
+    """Duration bins for ``DynamicBucketingSampler(duration_bins=...)`` from a sample of the
+    corpus's durations, as lhotse estimates them from cuts; ``[1e9]`` (one bucket) below
+    two cuts, since lhotse refuses more buckets than cuts."""
+    from types import SimpleNamespace
+
+    from lhotse.dataset.sampling.dynamic_bucketing import estimate_duration_buckets
+
+    buckets = min(num_buckets, len(durations))
+    if buckets < 2:
+        return [1e9]
+    return estimate_duration_buckets([SimpleNamespace(duration=d) for d in durations], buckets, constraint)

@@ -54,6 +54,29 @@ def find_shards(shar_dirs: str) -> list[dict[str, str]]:
     return shards
 
 
+def shar_extremes(shar_dirs: str):
+    """The extremes records of the Shar directories merged, or None when one has none (shards
+    written before the records were). A part's shards are in ``DIR/<part>``, its record beside
+    them, ``DIR/{prefix}_extremes_{part}.json`` (not inside: lhotse's ``from_shar(in_dir)``
+    takes every file of a shard dir for a field)."""
+    from valle.data.extremes import Extremes
+
+    merged = None
+    for d in [Path(x) for x in str(shar_dirs).split(",") if x.strip()]:
+        paths = sorted(d.resolve().parent.glob(f"*_extremes_{d.resolve().name}.json"))
+        if not paths:
+            logger.warning("--shar-dir %s has no extremes record beside it (%s/PREFIX_extremes_%s.json): "
+                           "the sampler's bins come from the shards and the scan from a pass over them "
+                           "(slow for a large corpus). The record of the part's cuts file "
+                           "(python -m valle.data.recipe extremes CUTS writes it) can be copied there",
+                           d, d.resolve().parent, d.resolve().name)
+            return None
+        for path in paths:
+            record = Extremes.read(path)
+            merged = record if merged is None else merged.merge(record)
+    return merged
+
+
 def _by_index(directory: Path, prefix: str, kind: str) -> dict[int, str]:
     """{shard number: path} of the files named PREFIX<number>KIND... in `directory`."""
     found = {}
@@ -68,11 +91,13 @@ class SharTrainSet(torch.utils.data.IterableDataset):
     """Yields collated batches of this rank's share of the shards (split again per worker)."""
 
     def __init__(self, shards: list[dict[str, str]], dataset, constraint, rank: int, world_size: int,
-                 seed: int, shuffle: bool, num_buckets: int, buffer_size: int, cut_filter) -> None:
+                 seed: int, shuffle: bool, num_buckets: int, buffer_size: int, cut_filter,
+                 duration_bins: list[float] | None = None) -> None:
         super().__init__()
         self.shards, self.dataset, self.constraint = shards, dataset, constraint
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
         self.num_buckets, self.buffer_size, self.cut_filter = num_buckets, buffer_size, cut_filter
+        self.duration_bins = duration_bins  # from the extremes records' sample, when present
         self.epoch = 0
 
     def shards_for(self, worker: int, num_workers: int) -> list[dict[str, str]]:
@@ -104,10 +129,14 @@ class SharTrainSet(torch.utils.data.IterableDataset):
         yield from BudgetedSampler(sampler, self.constraint)
 
     def _duration_bins(self, cuts_paths: list[str], sample: int = 10_000) -> list[float]:
-        """Bucket edges from the first ``sample`` cuts of these shards (metadata only). A slot
-        may hold fewer cuts than --num-buckets, which lhotse's own estimate refuses."""
+        """Bucket edges: from the extremes records' sample of the whole corpus when the Shar
+        directories hold them, else from the first ``sample`` cuts of these shards (metadata
+        only). A slot may hold fewer cuts than --num-buckets, which lhotse's own estimate
+        refuses."""
         from itertools import islice
 
+        if self.duration_bins is not None:
+            return self.duration_bins
         from lhotse import CutSet
         from lhotse.dataset.sampling.dynamic_bucketing import estimate_duration_buckets
 

@@ -150,15 +150,49 @@ class CutFilter:
     def problem(self, cut) -> tuple[str, str] | None:
         bad = check_duration(cut.duration, self.min_duration, self.max_duration)
         if bad is None and not self.constraint.single_fits(cut):
-            bad = (EXCEEDS_BATCH_BUDGET, f"{cut.duration:.2f}s / {self.constraint.text_length(cut)} "
-                                         f"text tokens do not fit {self.budget_flags}")
+            bad = self._over_budget(cut.duration, self.constraint.text_length(cut))
         return bad
+
+    def problem_of(self, duration: float, text_length: int) -> tuple[str, str] | None:
+        """``problem`` of a cut known by its numbers (text tokens with bos/eos), as the
+        extremes record and its sample hold them."""
+        bad = check_duration(duration, self.min_duration, self.max_duration)
+        if bad is None and not self.constraint.fits_sizes(1, duration, text_length):
+            bad = self._over_budget(duration, text_length)
+        return bad
+
+    def _over_budget(self, duration: float, text_length: int) -> tuple[str, str]:
+        return EXCEEDS_BATCH_BUDGET, f"{duration:.2f}s / {text_length} text tokens do not fit {self.budget_flags}"
 
     def __call__(self, cut) -> bool:
         bad = self.problem(cut)
         if bad is not None:
             logger.warning("cut %s removed: %s (%s)", cut.id, *bad)
         return bad is None
+
+    def keeps(self, cut) -> bool:
+        """The predicate without the log line (for cuts already reported)."""
+        return self.problem(cut) is None
+
+
+class ReportingFilter:
+    """A ``CutFilter`` predicate that lists each cut it removes in ``report`` the first time it
+    meets it (epochs meet them again): the removed cuts are reported as training streams the
+    manifest, with no pass over it at start. Picklable."""
+
+    def __init__(self, cut_filter: CutFilter, report: ValidationReport) -> None:
+        self.cut_filter = cut_filter
+        self.report = report
+        self.reported: set[str] = set()
+
+    def __call__(self, cut) -> bool:
+        bad = self.cut_filter.problem(cut)
+        if bad is None:
+            return True
+        if cut.id not in self.reported:
+            self.reported.add(cut.id)
+            self.report.add(cut.id, *bad)
+        return False
 
 
 def foreign_letters(text: str, language: str) -> list[str]:
@@ -241,8 +275,12 @@ def raise_if_nothing_left(
     """Stop with a message naming the filter(s) that removed everything."""
     if kept > 0:
         return
-    counts = report.counts
-    total = report.checked
+    raise_nothing_left(report.counts, report.checked, min_duration, max_duration, what)
+
+
+def raise_nothing_left(counts: dict[str, int], total: int, min_duration: float, max_duration: float,
+                       what: str = "cuts") -> None:
+    """The error of ``raise_if_nothing_left`` from counts per reason (``total`` checked)."""
     flags = {
         TOO_SHORT: f"--filter-min-duration {min_duration:g}",
         TOO_LONG: f"--filter-max-duration {max_duration:g}",

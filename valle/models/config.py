@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from typing import Any, get_type_hints
 
 from valle.args import str2bool
+from valle.config_flags import FLAG, add_flags, flag, flag_name
 
 from .layout import NUM_AUDIO_TOKENS, PrefixMode
 
@@ -48,8 +49,8 @@ def option(
     """A ``ModelConfig`` field. ``training``: a setting of the training loss, not of the
     architecture (on resume the flags give it, not the checkpoint). ``legacy``: what a
     checkpoint written before the option existed meant by its absence."""
-    meta = dict(help=help, group=group, choices=choices, training=training, legacy=legacy)
-    return field(default=default, metadata=meta)
+    return flag(default, help or None, group=group, choices=choices,
+                metadata=dict(training=training, legacy=legacy))
 
 
 @dataclass(frozen=True)
@@ -141,11 +142,11 @@ class ModelConfig:
         if self.num_quantizers < 1:
             raise ValueError(f"--num-quantizers must be >= 1, got {self.num_quantizers}")
         for f in fields(self):
-            choices = f.metadata["choices"]
+            choices = f.metadata[FLAG].choices
             value = getattr(self, f.name)  # prefix_mode's choices are checked by its parse
             if choices and isinstance(value, str) and value not in choices:
                 raise ValueError(
-                    f"{_flag(f.name)} must be one of {', '.join(choices)}, got {value!r}"
+                    f"{flag_name(f.name)} must be one of {', '.join(choices)}, got {value!r}"
                 )
         if self.num_languages < 0:
             raise ValueError(f"--num-languages must be >= 0, got {self.num_languages}")
@@ -193,16 +194,12 @@ def _plain(value: Any) -> Any:
     return int(value) if isinstance(value, PrefixMode) else value
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _refuse_removed(get: Callable[[str, Any], Any]) -> None:
     for name, off in REMOVED_OPTIONS.items():
         value = get(name, off)
         if str2bool(value) != off:
             raise ValueError(
-                f"{_flag(name)} {value} is no longer supported (the option was removed: it "
+                f"{flag_name(name)} {value} is no longer supported (the option was removed: it "
                 "measured no held-out gain, docs/evaluation.md); this model was trained with it"
             )
 
@@ -237,16 +234,4 @@ def model_hparams(params: Any) -> dict[str, Any]:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per ``ModelConfig`` field, in its group."""
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    hints = get_type_hints(ModelConfig)
-    for f in fields(ModelConfig):
-        name = f.metadata["group"]
-        if name not in groups:
-            groups[name] = parser.add_argument_group(name, _GROUP_DESCRIPTIONS.get(name))
-        kind = hints[f.name]
-        kwargs: dict[str, Any] = dict(default=_plain(f.default), help=f.metadata["help"] or None)
-        # Flags stay plain values in the Namespace (it is saved in checkpoints as is).
-        kwargs["type"] = {bool: str2bool, PrefixMode: int}.get(kind, kind)
-        if f.metadata["choices"]:
-            kwargs["choices"] = list(f.metadata["choices"])
-        groups[name].add_argument(_flag(f.name), **kwargs)
+    add_flags(parser, ModelConfig, _GROUP_DESCRIPTIONS)

@@ -15,10 +15,13 @@ Every step is one batched model call and tensor ops: no Python loop over rows.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+
+from valle.config_flags import flag, from_namespace
 
 from .layout import (
     MAX_PROMPT_FRAMES,
@@ -39,41 +42,77 @@ ON_EMPTY = ("raise", "mark")
 CAPPED_CANDIDATE_PENALTY = 1e4
 
 
+DECODING_GROUP = "decoding"
+EXPERIMENTAL_DECODING_GROUP = "decoding (experimental)"
+DECODING_GROUP_DESCRIPTIONS = {
+    EXPERIMENTAL_DECODING_GROUP: "kept for experiments, off by default (docs/inference.md)",
+}
+NAR_DECODINGS = ("argmax", "mmse")
+
+
+def _decoding(default: Any, help: str | None = None, **spec: Any) -> Any:
+    """A ``DecodeOptions`` field with its bin/infer.py flag (in the decoding group)."""
+    return flag(default, help, group=spec.pop("group", DECODING_GROUP), **spec)
+
+
 @dataclass(frozen=True)
 class DecodeOptions:
     """How the AR decodes (the keywords of the models' ``inference``; docs/inference.md).
 
+    The fields with a flag are bin/infer.py's decoding flags (and those --valid-samples-decode
+    takes); the others are the library's.
+
     * ``top_k`` (<= 0: off), ``top_p`` (1: off), ``temperature``: sampling; ``seed`` seeds
-      the sampler's generator (None: torch's global RNG).
+      the sampler's generator (None: torch's global RNG; bin/infer.py's default is 42).
     * ``max_len_ratio``: at most this many frames per text token (prompt text included).
     * ``min_len_ratio`` > 0: no EOS before this many frames per token of the text to say.
-    * ``use_kv_cache``: decode with the per-layer key/value cache (same tokens, faster).
-    * ``static_cache``: that cache preallocated to the longest row and a per-token step of
+    * ``num_candidates`` N > 1: best of N AR samples per row by mean log-likelihood.
+    * ``static_cache``: the KV cache preallocated to the longest row and a per-token step of
       fixed shapes (``StaticStep``); ``cuda_graphs``: that step captured once per batch in a
       CUDA graph and replayed (CUDA only). Same tokens as the growing cache.
-    * ``force_len``: ignore EOS and decode exactly this many frames (benchmarks).
+    * ``nar_decoding``: ``mmse`` asks the caller to pass the codec's ``code_vectors`` (the
+      models decode by them whenever they are given); ``argmax`` passes none.
     * ``stop_rule``: ``argmax_or_sampled`` (lifeiteng) stops a row when EOS is the most
-      likely token or is sampled; ``sampled`` (experimental) only when it is sampled.
-    * ``num_candidates`` N > 1: best of N AR samples per row by mean log-likelihood.
+      likely token or is sampled; ``sampled`` (experimental) only when it is sampled
+      (the flag's spelling ``argmax-or-sampled`` is accepted too).
+    * ``use_kv_cache``: decode with the per-layer key/value cache (same tokens, faster).
+    * ``force_len``: ignore EOS and decode exactly this many frames (benchmarks).
     * ``on_empty``: a row whose first token is EOS raises (``raise``) or gets length 0
       (``mark``).
     """
 
-    top_k: int = -100
-    top_p: float = 1.0
-    temperature: float = 1.0
-    max_len_ratio: float = 16.0
-    min_len_ratio: float = 0.0
+    top_k: int = _decoding(-100, "top-k sampling (<= 0: off, 1: greedy)")
+    top_p: float = _decoding(1.0, "nucleus sampling mass (1: off)")
+    temperature: float = _decoding(1.0)
+    seed: int | None = _decoding(None, cli_default=42, parse=int)
+    max_len_ratio: float = _decoding(
+        16.0, "at most this many frames per text token (prompt text included)")
+    min_len_ratio: float = _decoding(
+        0.0, "no EOS before this many frames per token of the text to say (0: no floor, "
+        "as lifeiteng); guards an undertrained model against empty rows")
+    num_candidates: int = _decoding(
+        1, "best of N AR samples per text by the model's mean log-likelihood per frame")
+    static_cache: bool = _decoding(
+        False, "AR decoding with a KV cache preallocated to the longest row and a "
+        "per-token step of fixed shapes (same tokens)", switch=True)
+    cuda_graphs: bool = _decoding(
+        False, "--static-cache with its step captured in a CUDA graph per batch and "
+        "replayed (CUDA only; same tokens, fewer kernel launches)", switch=True)
+    nar_decoding: str = _decoding(
+        "argmax", "codebooks 1-7: the most likely code (VALL-E), or the code nearest the "
+        "expected codec vector under the NAR's distribution (an unsure NAR then "
+        "adds little instead of a wrong guess; docs/inference.md)", choices=NAR_DECODINGS)
+    stop_rule: str = _decoding(
+        "argmax_or_sampled", "stop a row when EOS is the most likely token or is sampled "
+        "(lifeiteng), or only when it is sampled (experimental: rows then run longer, 81 vs 52 "
+        "frames on the demo checkpoint in issue #11)", group=EXPERIMENTAL_DECODING_GROUP,
+        choices=tuple(r.replace("_", "-") for r in STOP_RULES), cli_default="argmax-or-sampled")
     use_kv_cache: bool = True
-    seed: int | None = None
     force_len: int | None = None
-    stop_rule: str = "argmax_or_sampled"
-    num_candidates: int = 1
     on_empty: str = "raise"
-    static_cache: bool = False
-    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_rule", str(self.stop_rule).replace("-", "_"))
         if (self.static_cache or self.cuda_graphs) and not self.use_kv_cache:
             raise ValueError("static_cache and cuda_graphs decode with the KV cache: "
                              "use_kv_cache must stay on")  # fmt: skip
@@ -81,8 +120,21 @@ class DecodeOptions:
             raise ValueError(f"stop_rule must be one of {STOP_RULES}, got {self.stop_rule!r}")
         if self.on_empty not in ON_EMPTY:
             raise ValueError(f"on_empty must be 'raise' or 'mark', got {self.on_empty!r}")
+        if self.nar_decoding not in NAR_DECODINGS:
+            raise ValueError(f"--nar-decoding must be one of {NAR_DECODINGS}, got {self.nar_decoding!r}")
         if self.num_candidates < 1:
             raise ValueError(f"--num-candidates must be >= 1, got {self.num_candidates}")
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace) -> DecodeOptions:
+        """The options a user gave as flags (bin/infer.py, --valid-samples-decode), checked
+        as flags: a floor at or above the cap is a mistake there (a caller lowering the cap
+        later, as the training samples do, may cross it on purpose)."""
+        options = from_namespace(cls, args)
+        if not 0 <= options.min_len_ratio < options.max_len_ratio:
+            raise ValueError(f"--min-len-ratio must be in [0, --max-len-ratio {options.max_len_ratio}), "
+                             f"got {options.min_len_ratio}")
+        return options
 
 
 class ARResult(NamedTuple):

@@ -11,9 +11,10 @@ from enum import IntEnum
 
 import torch
 
+from valle.codec.constants import NUM_AUDIO_TOKENS  # the audio pad id and the AR EOS id
+
 from .rng import randint_per_row, row_uniforms
 
-NUM_AUDIO_TOKENS = 1024  # EnCodec codebook size; also the audio pad id and the AR EOS id
 MAX_PROMPT_FRAMES = 225  # 3 s at 75 Hz: cap on the training prefix, as in VALL-E recipes
 IGNORE = -100  # target id the cross entropy skips
 

@@ -369,6 +369,7 @@ class _VALLEBase(nn.Module):
         text_languages: torch.Tensor | None = None,
         code_vectors: list[torch.Tensor] | None = None,
         return_lens: bool = False,
+        options: generation.DecodeOptions | None = None,
         **decoding: Any,
     ):
         """Synthesize codes (B, T, Q) for several texts at once, each after its prompt.
@@ -379,23 +380,24 @@ class _VALLEBase(nn.Module):
         1..Q-1 greedily. Rows shorter than T are padded with 1024; ``return_lens=True``
         also returns lengths.
 
-        * ``decoding``: the fields of ``generation.DecodeOptions`` (top_k, top_p,
-          temperature, max_len_ratio, min_len_ratio, use_kv_cache, seed, force_len,
-          stop_rule, num_candidates, on_empty).
+        * ``options``: how to decode (``generation.DecodeOptions``; default: its defaults);
+          ``decoding``: some of its fields by keyword (top_k, top_p, temperature,
+          max_len_ratio, min_len_ratio, use_kv_cache, seed, force_len, stop_rule,
+          num_candidates, on_empty), which replace those of ``options``.
         * ``text_languages`` (B,) or (B, S): language ids (--num-languages > 0); per token
           for cross-lingual synthesis (the prompt's transcript in its own language).
         * ``prompt_text_lens`` (B,): tokens after BOS that belong to the prompt's
           transcript. Prefix modes 2 and 4 need it: their NAR was trained on the target
           text alone, so it is given BOS + the text to say + EOS (as in lifeiteng).
         * ``code_vectors``: one (K_j, D) tensor per codebook, the codec's vector of each code
-          (``code_vectors()`` of the codecs in valle/codec and valle/data/audio.py). Given,
+          (``code_vectors()`` of the codecs in valle/codec: encodec.py, mel_rvq.py). Given,
           the NAR picks in codebooks 1..Q-1 the code nearest the expected vector under its
           distribution (``nearest_to_expectation``) instead of the most likely code.
         """
         codes, lens = generation.synthesize(
             self, text_tokens, text_tokens_lens, prompt_codes, prompt_lens,
             prompt_text_lens=prompt_text_lens, text_languages=text_languages,
-            options=generation.DecodeOptions(**decoding), code_vectors=code_vectors,
+            options=_decode_options(options, decoding), code_vectors=code_vectors,
         )  # fmt: skip
         return (codes, lens) if return_lens else codes
 
@@ -424,6 +426,14 @@ class _VALLEBase(nn.Module):
             prompt_lens=prompt_lens, text_languages=text_languages, code_vectors=code_vectors,
         )  # fmt: skip
         return (codes, lens) if return_lens else codes
+
+
+def _decode_options(options: generation.DecodeOptions | None,
+                    keywords: dict[str, Any]) -> generation.DecodeOptions:
+    """``options`` (default: the defaults) with the fields given as keywords replaced."""
+    if options is None:
+        return generation.DecodeOptions(**keywords)
+    return replace(options, **keywords) if keywords else options
 
 
 class VALLE(_VALLEBase):

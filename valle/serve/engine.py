@@ -133,9 +133,7 @@ class InferBackend:
             synth = Synthesizer(loaded.model, loaded.table, loaded.audio_tokenizer, self.device,
                                 language=args.language, prompt_language=args.prompt_language,
                                 checkpoint_config=loaded.config, languages=args.languages,
-                                text_extractor=args.text_extractor)  # fmt: skip
-            if loaded.vocos is not None:
-                synth.decoder = loaded.vocos
+                                text_extractor=args.text_extractor, decoder=loaded.vocos)  # fmt: skip
             loaded.synthesizers[key] = synth
         return loaded.synthesizers[key]
 

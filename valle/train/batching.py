@@ -13,12 +13,14 @@ from typing import Any
 
 import torch
 
+from valle.codec.constants import NUM_AUDIO_TOKENS
+
 Batch = dict[str, Any]
 
 # Padding ids (masked by the lengths anyway; they only need to be valid ids): text pads
 # with <pad>, audio codes with NUM_AUDIO_TOKENS (the codebooks' pad/EOS id).
 TEXT_PAD = 1
-AUDIO_PAD = 1024
+AUDIO_PAD = NUM_AUDIO_TOKENS
 
 # Padded sequence tensors and the length tensor that bounds each.
 _PADDED = {

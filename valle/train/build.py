@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 from typing import Any
 
@@ -133,9 +133,10 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
         # the architecture of the weights we start from, whatever the flags say
         initial_weights, hparams = load_model_checkpoint(cfg.start_from)
         architecture = {"config": hparams, "model": {}}
-    model = get_model(model_hparams(cfg, architecture)).to(ctx.device)
+    model = get_model(architecture_hparams(cfg, architecture)).to(ctx.device)
     named = model.stage_parameters(cfg.train_stage)
-    optimizer = build_optimizer(cfg.optimizer_name, named, cfg.base_lr, weight_decay=cfg.weight_decay)
+    optimizer = build_optimizer(cfg.optimizer_name, named, cfg.base_lr, weight_decay=cfg.weight_decay,
+                                **asdict(cfg.optimizer_recipe))
     scheduler = build_scheduler(cfg.scheduler_name, optimizer, cfg.warmup_steps,
                                 total_steps=cfg.max_steps or None, lr_batches=cfg.lr_batches,
                                 lr_epochs=cfg.lr_epochs,
@@ -187,21 +188,17 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     return run
 
 
-def model_hparams(cfg: TrainConfig, payload: dict | None):
-    """Model hyper-parameters: the flags, or a checkpoint's when resuming (old
-    checkpoints included: keys they predate take the values they were trained with)."""
-    import argparse
-
-    from valle.models import add_model_arguments
+def architecture_hparams(cfg: TrainConfig, payload: dict | None) -> dict[str, Any]:
+    """The model's hyper-parameters: the flags (``cfg.model``), or a checkpoint's when resuming
+    or starting from one (old checkpoints included: keys they predate take the values they were
+    trained with); the training-loss settings stay the flags'."""
     from valle.models.convert import ours_hparams
 
-    defaults = argparse.ArgumentParser(add_help=False)
-    add_model_arguments(defaults)
-    values = {**vars(defaults.parse_args([])), **cfg.args}
+    values = cfg.model.hparams()
     if payload is not None:
-        # Resuming: the architecture is the checkpoint's, whatever the flags say.
+        # The architecture is the checkpoint's, whatever the flags say.
         values.update(ours_hparams(payload.get("config", {}), payload["model"]))
-    return argparse.Namespace(**values)
+    return values
 
 
 def start_from(run: Run, state: dict[str, torch.Tensor]) -> None:

@@ -1,24 +1,20 @@
-"""The trainer's argument parser (bin/trainer.py is a thin wrapper around it)."""
+"""The trainer's argument parser (bin/trainer.py is a thin wrapper around it). Its flags are
+generated from the config tree (valle/train/config.py): nothing is declared here."""
 
 from __future__ import annotations
 
 import argparse
 
-from valle.train.config import TrainConfig, add_training_arguments, config_from_args
+from valle.train.config import TrainConfig, add_trainer_flags, config_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from valle.data.datamodule import TtsDataModule  # its flags need no lhotse: torch alone
-    from valle.models import add_model_arguments
-
     parser = argparse.ArgumentParser(
         prog="bin/trainer.py",
         description="Train VALL-E / VALL-F. One process: python bin/trainer.py ...; "
                     "many: torchrun --nproc_per_node=N bin/trainer.py ...",
     )
-    add_model_arguments(parser)
-    add_training_arguments(parser)
-    TtsDataModule.add_arguments(parser)
+    add_trainer_flags(parser)
     return parser
 
 

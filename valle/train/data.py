@@ -30,7 +30,7 @@ class SyntheticData:
     """Deterministic synthetic cuts (no corpus needed): tests, GPU checks, benchmarks."""
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext):
-        languages = int(cfg.args.get("num_languages", 0) or 0)
+        languages = cfg.model.num_languages
         spec = SyntheticSpec(num_cuts=cfg.synthetic_data, seed=cfg.seed, num_languages=languages)
         self.corpus = SyntheticCorpus(spec)
         self.valid = SyntheticCorpus(SyntheticSpec(num_cuts=max(ctx.world_size, 8), seed=cfg.seed + 1,

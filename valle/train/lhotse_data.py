@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from valle.data.collation import num_text_tokens
 from valle.data.datamodule import TtsDataModule
 from valle.data.loader import ManifestLoader, ResumableLoader
 from valle.train.batching import Batch
@@ -17,37 +15,27 @@ from valle.train.sampler_state import pick_rank_state, sampler_payload
 
 logger = logging.getLogger(__name__)
 
-# lhotse's find_pessimistic_batches criteria, plus the text ones: text that
-# phonemizes into long sequences is what blew up memory in the reference
-# discussion, and duration alone does not see it.
-CRITERIA: dict[str, Callable[[Any], float]] = {
-    "single_longest_cut": lambda cuts: max(c.duration for c in cuts),
-    "largest_batch_cuts_duration": lambda cuts: sum(c.duration for c in cuts),
-    "max_num_cuts": lambda cuts: len(cuts),
-    "single_longest_text": lambda cuts: max(num_text_tokens(c) for c in cuts),
-    "largest_batch_text_tokens": lambda cuts: len(cuts) * max(num_text_tokens(c) for c in cuts),
-}
-
 
 class LhotseTrainData:
     def __init__(self, cfg: TrainConfig, ctx: DistContext, ar_codebook_size: int = 1024):
         self.cfg = cfg
         self.ctx = ctx
-        self.module = TtsDataModule(argparse.Namespace(**cfg.args))
-        # "auto" is resolved (and logged) by the data module; checkpoints keep the number.
-        cfg.args["max_text_tokens"] = self.module.args.max_text_tokens
+        # "auto" --max-text-tokens is resolved (and logged) in cfg.data by the data module;
+        # checkpoints keep the number.
+        self.module = TtsDataModule(cfg.data, seed=cfg.seed, num_languages=cfg.model.num_languages,
+                                    prefix_mode=cfg.model.prefix_mode)
         # Checkpoints carry the resolved symbol table path: bin/infer.py reads it from there.
-        cfg.args["text_tokens"] = str(self.module.text_tokens_path().resolve())
+        cfg.data.text_tokens = self.module.text_tokens_path().resolve()
         # ... and the codec's identity (a refitted mel-rvq codec gives other codes).
-        cfg.args["audio_codec"] = self.module.codec_identity()
+        cfg.corpus_record["audio_codec"] = self.module.codec_identity()
         # ... whose codebook 0 must fit the AR's head (--ar-codebook-size).
         from valle.codec import check_ar_codebook_size
 
-        check_ar_codebook_size(ar_codebook_size, self.module.args.manifest_dir)
+        check_ar_codebook_size(ar_codebook_size, cfg.data.manifest_dir)
         # VALL-E X: the language-id order, so bin/infer.py maps --language to the same ids.
         languages = self.module.languages()
         if languages is not None:
-            cfg.args["languages"] = languages
+            cfg.data.languages = languages
             logger.info("languages (id order): %s", ", ".join(languages))
         self.train: ResumableLoader = self.module.train_dataloader(ctx.rank, ctx.world_size)
         self.train.pin_memory = ctx.device.type == "cuda"
@@ -58,15 +46,29 @@ class LhotseTrainData:
             self.valid.pin_memory = self.train.pin_memory
         except FileNotFoundError as e:
             logger.warning("no validation data: %s", e)
-        if ctx.is_main and self.module.filter_report.entries:
-            path = cfg.exp_dir / "filtered-cuts.tsv"
-            self.module.filter_report.write(path)
-            logger.info("cuts removed by the filters: %s (listed in %s)",
-                        self.module.filter_report.summary(), path)
+        self._filtered_written = 0  # entries of the filter report already in filtered-cuts.tsv
+        self.write_filter_report()
+
+    def write_filter_report(self) -> None:
+        """``<exp-dir>/filtered-cuts.tsv``: the cuts the filters removed so far (all of them
+        at start when a part had no extremes record and was read with a pass; otherwise as
+        the sampler meets them). Rewritten when it grew: at start, each epoch's end, and with
+        each checkpoint."""
+        report = self.module.filter_report
+        if not self.ctx.is_main or len(report) == self._filtered_written:
+            return
+        path = self.cfg.exp_dir / "filtered-cuts.tsv"
+        report.write(path)
+        self._filtered_written = len(report)
+        logger.info("cuts removed by the filters: %s (listed in %s)", report.summary(), path)
 
     def train_batches(self, epoch: int) -> Iterator[Batch]:
         self.train.set_epoch(epoch)
-        return self._readable(iter(self.train), self._unreadable)
+        return self._reporting(self._readable(iter(self.train), self._unreadable))
+
+    def _reporting(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        yield from batches
+        self.write_filter_report()  # the epoch met every cut the filters remove
 
     def valid_batches(self) -> Iterator[Batch]:
         unreadable: list[dict[str, str]] = []
@@ -92,20 +94,26 @@ class LhotseTrainData:
         return taken
 
     def pessimistic_batches(self) -> dict[str, Batch]:
+        """The worst batch per criterion: built from the extremes record (no pass; the same
+        batches on every rank), or without one from a pass over this rank's batches."""
+        worst = self.module.worst_batches()
+        dataset = self.train.dataset
+        if worst is None:
+            worst, dataset = self._worst_by_a_pass()
+        return {f"{name} ({value:.1f})": dataset[cuts] for name, (value, cuts) in worst.items()}
+
+    def _worst_by_a_pass(self) -> tuple[dict[str, tuple[float, Any]], Any]:
         """One pass over this rank's batches (metadata only), the worst per criterion."""
         from tqdm import tqdm
 
+        from valle.data.pessimistic import worst_of
+
         batches, dataset = self.module.scan_batches(self.ctx.rank, self.ctx.world_size)
-        best: dict[str, tuple[float, Any]] = {}
-        for cuts in tqdm(batches, desc="scanning for pessimistic batches",
-                         disable=not self.ctx.is_main):
-            for name, score in CRITERIA.items():
-                value = score(cuts)
-                if name not in best or value > best[name][0]:
-                    best[name] = (value, cuts)
-        return {f"{name} ({value:.1f})": dataset[cuts] for name, (value, cuts) in best.items()}
+        return worst_of(tqdm(batches, desc="scanning for pessimistic batches",
+                             disable=not self.ctx.is_main)), dataset
 
     def state_dict(self, ctx: DistContext, next_epoch: bool = False) -> dict[str, Any]:
+        self.write_filter_report()  # with each checkpoint
         return sampler_payload(self.train.state_dict(), ctx, next_epoch, "batches_consumed")
 
     def load_state_dict(self, state: dict[str, Any], ctx: DistContext) -> None:

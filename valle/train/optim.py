@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -680,21 +681,36 @@ def scale_and_clip_(grads: Sequence[Tensor], factor: float, max_norm: float,
 # Factories
 
 
+@dataclass(frozen=True)
+class OptimizerRecipe:
+    """The optimizer settings the VALL-E recipes fix and the trainer has no flag for (its
+    config carries them: ``TrainConfig.optimizer_recipe``): betas (0.9, 0.95); ScaledAdam's
+    clipping_scale 2.0 with a threshold re-estimated every 1000 steps; the Adam family's eps."""
+
+    betas: tuple[float, float] = (0.9, 0.95)
+    clipping_scale: float | None = 2.0
+    clipping_update_period: int = 1000
+    eps: float = 1e-8
+
+
+RECIPE = OptimizerRecipe()
+
+
 def build_optimizer(
     name: str,
     named_params: Sequence[tuple[str, torch.nn.Parameter]],
     base_lr: float,
     weight_decay: float = 1e-2,
-    betas: tuple[float, float] = (0.9, 0.95),
-    clipping_scale: float | None = 2.0,
-    clipping_update_period: int = 1000,
-    eps: float = 1e-8,
+    betas: tuple[float, float] = RECIPE.betas,
+    clipping_scale: float | None = RECIPE.clipping_scale,
+    clipping_update_period: int = RECIPE.clipping_update_period,
+    eps: float = RECIPE.eps,
 ) -> Optimizer:
     """Build the optimizer over ``named_params`` (the trained stage's parameters).
 
-    Defaults follow the VALL-E recipes: betas (0.9, 0.95); ScaledAdam with
-    clipping_scale 2.0 and a threshold re-estimated every 1000 steps (it takes
-    no weight decay); AdamW with weight_decay 0.01; Adam without.
+    Defaults follow the VALL-E recipes (``OptimizerRecipe``); ScaledAdam takes no weight
+    decay; AdamW's default weight_decay is 0.01 (the trainer passes --weight-decay); Adam
+    takes none.
     """
     named_params = list(named_params)
     if not named_params:

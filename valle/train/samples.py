@@ -7,7 +7,8 @@ codec) and the prompt. With ``--valid-judge``: held-out PER and speaker similari
 bin/evaluate.py scores them. Without a codec (``--synthetic-data``) the codes are images.
 
 The decoding is bin/infer.py's: the model's ``inference`` (valle/models/generation.py) with
-bin/infer.py's decoding flags (``--valid-samples-decode``), and ``valle.infer.decode_codes``.
+bin/infer.py's decoding flags (``--valid-samples-decode``, parsed into ``DecodeOptions`` once
+by valle/train/config.py), and ``valle.infer.decode_codes``.
 The items come already tokenized from the validation cuts, so only the phonemizer and the
 prompt's wav encoding of ``Synthesizer`` are left out.
 
@@ -19,21 +20,20 @@ issues no collective: the other ranks wait in their next one, under --collective
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import math
 import random
-import shlex
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from valle.codec.constants import CODEBOOK_SIZE, FRAME_RATE, SAMPLE_RATE
+from valle.models.generation import DecodeOptions
 
 logger = logging.getLogger(__name__)
 
@@ -41,22 +41,20 @@ SAMPLES_DIR = "samples"  # under the run's TensorBoard dir: its own run in the T
 MIN_IMAGE_SIZE = 128  # small images (8 codebooks, a few text tokens) are repeated up to this
 
 
-class DecodeFlagsError(ValueError):
-    """--valid-samples-decode holds something bin/infer.py does not accept."""
-
-
 # ------------------------------------------------------------------ configuration
 @dataclass(frozen=True)
 class SampleConfig:
+    """What the writer needs of the run's --valid-samples* flags (valle/train/config.py)."""
+
     count: int = 4
     max_seconds: float = 10.0
-    decode: str = ""
+    decoding: DecodeOptions = field(default_factory=DecodeOptions)  # --valid-samples-decode's
     codec_dir: str = ""
     judge: str = ""
 
     @classmethod
     def from_train_config(cls, cfg: Any) -> SampleConfig:
-        return cls(cfg.valid_samples, cfg.valid_samples_max_seconds, cfg.valid_samples_decode,
+        return cls(cfg.valid_samples, cfg.valid_samples_max_seconds, cfg.valid_samples_decoding,
                    cfg.valid_samples_codec_dir, cfg.valid_judge)
 
     @property
@@ -64,31 +62,12 @@ class SampleConfig:
         return max(1, int(self.max_seconds * FRAME_RATE))
 
 
-def decode_flags(text: str) -> argparse.Namespace:
-    """bin/infer.py's flags parsed from one string (its defaults for what is not given)."""
-    from valle.infer import InputError, build_parser, decode_options
-
-    parser = build_parser()
-    parser.exit_on_error = False
-    try:
-        ns = parser.parse_args(["--checkpoint", "unused", *shlex.split(text)])
-        decode_options(ns)
-    except (argparse.ArgumentError, InputError, ValueError) as e:
-        raise DecodeFlagsError(f"{text!r}: {e}") from e
-    except SystemExit as e:  # argparse exits on some errors even with exit_on_error off
-        raise DecodeFlagsError(f"{text!r}: not bin/infer.py's flags") from e
-    return ns
-
-
-def decode_keywords(ns: argparse.Namespace, max_len_ratio: float) -> dict[str, Any]:
-    """The keywords of the model's ``inference`` for one item: bin/infer.py's, with the length
-    cap lowered to the item's share of --valid-samples-max-seconds. No CUDA graphs: capturing
-    them inside the training process is not worth its memory for a few items."""
-    from valle.infer import decode_options
-
-    kwargs = decode_options(ns)
-    kwargs.update(max_len_ratio=min(kwargs["max_len_ratio"], max_len_ratio), cuda_graphs=False)
-    return kwargs
+def item_decoding(options: DecodeOptions, max_len_ratio: float) -> DecodeOptions:
+    """How one item is decoded: --valid-samples-decode's options with the length cap lowered to
+    the item's share of --valid-samples-max-seconds. No CUDA graphs: capturing them inside the
+    training process is not worth its memory for a few items."""
+    return replace(options, max_len_ratio=min(options.max_len_ratio, max_len_ratio),
+                   cuda_graphs=False, on_empty="mark")
 
 
 # ------------------------------------------------------------------------ items
@@ -147,7 +126,7 @@ def manifest_items(module: Any, count: int) -> list[HeldOutItem]:
     from valle.data.collation import cut_text_symbols, get_text_token_collater
     from valle.data.text import WORD_SEP
 
-    part = getattr(module.args, "valid_part", "dev")
+    part = module.cfg.valid_part
     cuts = sorted(CutSet.from_jsonl_lazy(module.cuts_path(part)), key=lambda c: c.id)
     speakers = [c.supervisions[0].speaker if c.supervisions else None for c in cuts]
     collater = get_text_token_collater(module.text_tokens_path())
@@ -291,7 +270,6 @@ class SampleWriter:
                  log_dir: Path, codec_config: dict[str, Any], synthetic: bool) -> None:
         self.model, self.items, self.cfg, self.log_dir = model, items, cfg, Path(log_dir)
         self.codec_config, self.synthetic = codec_config, synthetic
-        self.flags = decode_flags(cfg.decode)
         self.listeners: Listeners | None = None
         self.prompt_audio: dict[str, torch.Tensor] = {}
         self.passes = 0
@@ -304,7 +282,7 @@ class SampleWriter:
             logger.warning("validation samples: no held-out item (no validation data, or no "
                            "speaker with two validation utterances): none written")
         synthetic = run.cfg.synthetic_data > 0
-        return cls(run.model, items, cfg, Path(run.tb.log_dir) / SAMPLES_DIR, run.cfg.args, synthetic)
+        return cls(run.model, items, cfg, Path(run.tb.log_dir) / SAMPLES_DIR, run.cfg.checkpoint_config(), synthetic)
 
     # ---- one pass
     def write(self, step: int, stop: Callable[[], bool] = lambda: False) -> None:
@@ -377,9 +355,9 @@ class SampleWriter:
             text, torch.tensor([text.shape[1]], device=device), prompt,
             torch.tensor([prompt.shape[1]], device=device),
             prompt_text_lens=torch.tensor([item.prompt_text_len], device=device),
-            text_languages=languages, on_empty="mark", return_lens=True,
+            text_languages=languages, return_lens=True,
             code_vectors=None if vectors is None else [v.to(device) for v in vectors],
-            **decode_keywords(self.flags, ratio))
+            options=item_decoding(self.cfg.decoding, ratio))
         n = int(lens[0])
         return codes[0, :n].cpu() if n else None
 
@@ -417,7 +395,7 @@ class SampleWriter:
     # ---- set-up
     def _load_listeners(self) -> Listeners:
         listeners = Listeners(codec=self._load_codec())
-        if listeners.codec is not None and self.flags.nar_decoding != "argmax":
+        if listeners.codec is not None and self.cfg.decoding.nar_decoding != "argmax":
             get = getattr(listeners.codec, "code_vectors", None)
             if get is None:
                 logger.warning("validation samples: the codec gives no code vectors: "

@@ -60,7 +60,7 @@ def write_checkpoint(run: Run, path: Path, sampler: dict, next_epoch: bool) -> b
             sampler=sampler, step=run.step,
             epoch=run.epoch + 1 if next_epoch else run.epoch,
             batch_in_epoch=0 if next_epoch else sampler.get("batch_in_epoch", 0),
-            train_stage=run.cfg.train_stage, config=run.cfg.args, quarantine=run.quarantine.state(),
+            train_stage=run.cfg.train_stage, config=run.cfg.checkpoint_config(), quarantine=run.quarantine.state(),
         )
         run.stepper.faults.maybe_fail_save(path)
         logger.info("saved %s", save_checkpoint(path, payload))
@@ -85,4 +85,4 @@ def save_best_model(run: Run, kind: str) -> None:
         return
     run.stepper.local("checkpoint", lambda: save_best(run.cfg.exp_dir, kind, make_payload(
         model=run.model.state_dict(), model_avg=averaged_state(run), step=run.step,
-        epoch=run.epoch, train_stage=run.cfg.train_stage, config=run.cfg.args)))
+        epoch=run.epoch, train_stage=run.cfg.train_stage, config=run.cfg.checkpoint_config())))

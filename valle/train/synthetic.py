@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from valle.codec.constants import NUM_AUDIO_TOKENS
 from valle.train.batching import AUDIO_PAD, TEXT_PAD, Batch
 
 
@@ -22,7 +23,7 @@ class SyntheticSpec:
     audio_len: tuple[int, int] = (20, 60)
     num_text_tokens: int = 64  # ids 4.. are "phonemes"; 0..3 are <eps>/<pad>/<bos>/<eos>
     num_quantizers: int = 8
-    num_audio_tokens: int = 1024
+    num_audio_tokens: int = NUM_AUDIO_TOKENS
     num_languages: int = 0  # VALL-E X: each cut also gets a language id in [0, num_languages)
     seed: int = 0
 

@@ -26,11 +26,10 @@ pytestmark = pytest.mark.timeout(120)
 
 def _stepper(tmp_path, reserve_mb: int = 0, **cfg) -> ResilientStep:
     from valle.models import get_model
-    from valle.train.build import model_hparams
 
     config = parse_config(TINY_MODEL + ["--exp-dir", str(tmp_path), "--synthetic-data", "8"])
     torch.manual_seed(0)
-    model = get_model(model_hparams(config, None))
+    model = get_model(config.model)
     named = model.stage_parameters(0)
     optimizer = build_optimizer("ScaledAdam", named, 0.01)
     sync = LocalGradSync([p for _, p in named])

@@ -89,7 +89,6 @@ def test_matrix_cell(matrix, phase, world_size, failing):
 def test_clean_runs_train(matrix, tmp_path):
     """The baseline itself must have moved the parameters (else equivalence is vacuous)."""
     from valle.models import get_model
-    from valle.train.build import model_hparams
     from valle.train.cli import parse_config
 
     for world_size in WORLD_SIZES:
@@ -98,6 +97,6 @@ def test_clean_runs_train(matrix, tmp_path):
         assert clean["summary"]["epochs"][0]["oom_events"] == 0
         cfg = parse_config(base_argv(tmp_path, world_size))
         torch.manual_seed(cfg.seed)  # the trainer's initialisation
-        initial = get_model(model_hparams(cfg, None)).state_dict()
+        initial = get_model(cfg.model).state_dict()
         moved = [k for k, v in clean["params"].items() if not torch.equal(v, initial[k])]
         assert len(moved) > len(initial) // 2, f"only {len(moved)} of {len(initial)} tensors trained"

@@ -98,7 +98,7 @@ def _fits(stepper, batch: Batch) -> bool:
 
 def _advice(row: ScanRow, cfg: TrainConfig) -> str:
     flag = "--max-text-tokens" if "text" in row.criterion else "--max-duration"
-    given = cfg.args.get(flag[2:].replace("-", "_"))
+    given = cfg.checkpoint_config().get(flag[2:].replace("-", "_"))
     try:
         current = float(given)
     except (TypeError, ValueError):  # "auto": the budget the data module derived
