@@ -210,3 +210,15 @@ def test_interleave_spreads_each_language_evenly_over_train(tmp_path):
             have = sum(1 for i in ids[:length] if i.startswith(lang))
             assert abs(have - length * n / total) <= 1, (length, lang)
     assert main(["interleave", str(out), *inputs]) == 0 and [c["id"] for c in _cuts(out)] == ids  # deterministic
+
+
+def test_japanese_without_the_kanji_reader_stops_before_tokenizing(tmp_path):
+    # most of Emilia's JA holds kanji: without pykakasi they would all be reported and left out
+    shim = tmp_path / "python"  # a python without pykakasi; anything else it would run fails too
+    shim.write_text('#!/usr/bin/env bash\nif [ "$1" = -c ] && [ "$2" = "import pykakasi" ]; then exit 1; fi\n'
+                    'echo "RAN $*"; exit 3\n')
+    shim.chmod(0o755)
+    rc, out, err = run_recipe("egs/emilia/prepare.sh", "--python", str(shim), "--data-dir", str(tmp_path / "data"),
+                              "--stage", "2", "--stop-stage", "2", "--languages", "en ja", timeout=60)
+    assert rc == 1 and "ja needs pykakasi to read kanji as kana: pip install -e '.[ja]'" in err
+    assert "RAN" not in out  # bin/tokenizer.py never started
