@@ -46,6 +46,13 @@ tmp=$(mktemp)
   echo
   python scripts/bench_preemption.py 2>/dev/null | grep -v -e 'Gloo' -e 'connected to' -e 'peer ranks'
   echo
+  echo "## Memory: activation checkpointing on/off, the CPU meter's cost, --max-duration auto"
+  echo
+  echo '```'
+  echo "python scripts/bench_memory.py"
+  echo '```'
+  echo
+  python scripts/bench_memory.py 2>/dev/null | grep -v -e '^command:' -e 'Gloo' -e 'connected to' -e 'peer ranks'
   echo "## Start-up against corpus size: launch to the end of 2 training steps, peak RSS"
   echo
   echo '```'

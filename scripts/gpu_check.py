@@ -8,18 +8,20 @@
 3. The NAR backward reserve on a fragmented pool (expandable segments off):
    does backward still fit with and without the reserve.
 4. The step and model benchmarks on the GPU.
-5. The trainer against a bare training loop at the demo's size, and the same step with
+5. --max-duration auto: a short run at the chosen budget, its peak against the memory
+   budget (goal >= 85%) and its OOM events (goal 0).
+6. The trainer against a bare training loop at the demo's size, and the same step with
    16x the audio per step (goal: 16x the audio costs <= 2x the time).
-6. AR decoding at batch 1 and 8: the growing KV cache, the static cache, and the static
+7. AR decoding at batch 1 and 8: the growing KV cache, the static cache, and the static
    step captured in a CUDA graph (`--cuda-graphs`), at the paper's size in bf16.
-7. --compile: real OOMs inside the compiled forward/backward recovered, and steps/s
+8. --compile: real OOMs inside the compiled forward/backward recovered, and steps/s
    eager vs --compile at the demo size (scripts/bench_compile.py).
-8. EnCodec tokenization throughput: hours of audio per GPU-hour, batched as bin/tokenizer.py
+9. EnCodec tokenization throughput: hours of audio per GPU-hour, batched as bin/tokenizer.py
    batches (about 300 s of audio per encoder batch on a GPU, sorted by duration), and what
    1,000 hours of a corpus cost in GPU-hours (docs/data.md).
 
 Results go to $OUT/gpu-check.md (or ./out/gpu-check.md). `--device cpu --quick` runs
-items 5 to 8 at tiny sizes on the CPU (a smoke test of the script; the CUDA-only items
+items 5 to 9 at tiny sizes on the CPU (a smoke test of the script; the CUDA-only items
 say they were skipped), so a drawn device only has to run it.
 """
 
@@ -256,6 +258,33 @@ def check_compile_real_ooms(lines: list[str], device: str = "cuda") -> None:
         lines += ["```", proc.stderr[-3000:], "```", ""]
 
 
+def check_auto_batch(lines: list[str], device: str, quick: bool) -> None:
+    """--max-duration auto (synthetic data: the batch size in cuts) fills the memory budget:
+    a short run at the chosen budget peaks at >= 85% of it with 0 OOM events. On the GPU the
+    budget is --memory-budget-gb (enforced with set_per_process_memory_fraction) so that the
+    synthetic corpus can fill it; on CPU (--quick) the memory meter is the device."""
+    exp = OUT / "auto-batch"
+    if quick:
+        model, cuts, budget = ["--decoder-dim", "32", "--nhead", "2", "--num-decoder-layers", "1",
+                               "--dropout", "0", "--device", device, "--tensorboard", "false"], 64, "0.05"
+    else:
+        model, cuts, budget = MODEL, 4096, "8"
+    cmd = [sys.executable, str(ROOT / "bin/trainer.py"), *model, "--exp-dir", str(exp),
+           "--synthetic-data", str(cuts), "--num-epochs", "1", "--max-steps", "20",
+           "--log-interval", "1", "--max-duration", "auto", "--memory-budget-gb", budget,
+           *(["--dtype", "bfloat16"] if device == "cuda" else [])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    summary = exp / "summary-rank0.json"
+    data = json.loads(summary.read_text()) if summary.exists() else {}
+    peak, total = data.get("peak_memory_bytes", 0), data.get("memory_budget_bytes", 0)
+    fraction = peak / total if total else 0.0
+    chosen = [x.split("INFO")[-1] for x in proc.stderr.splitlines() if "auto =" in x]
+    lines += ["## --max-duration auto: the chosen budget's peak against the memory budget", "",
+              f"exit code {proc.returncode}; {chosen[-1].strip() if chosen else 'no choice logged'}; "
+              f"steps {data.get('steps')}; peak {peak / 2**20:.0f} MiB of {total / 2**20:.0f} MiB = "
+              f"{fraction:.1%} (goal >= 85%); OOM events {data.get('oom_events')} (goal 0)", ""]
+    if proc.returncode:
+        lines += ["```", proc.stderr[-3000:], "```", ""]
 def check_tokenizer_throughput(lines: list[str], device: str, quick: bool) -> None:
     """EnCodec encoding as the tokenizer runs it: utterances of LibriTTS-like lengths (2-20 s),
     batched by ``duration_batches`` at the tokenizer's default batch duration, random weights
@@ -334,6 +363,7 @@ def main() -> None:
             run_check(check)
     else:
         lines += ["(real OOMs, scan peak and backward reserve need CUDA: skipped)", ""]
+    run_check(check_auto_batch, args.device, args.quick)
     run_check(check_host_overhead, args.device, args.quick)
     run_check(check_decoding, args.device, args.quick)
     run_check(check_compile_real_ooms, args.device)
@@ -343,6 +373,7 @@ def main() -> None:
                   "--batch", "16", "--text", "100", "--frames", "600")
         run_bench(lines, "bench_models.py", "--device", "cuda")
         run_bench(lines, "bench_compile.py", "--device", "cuda", "--sizes", "demo")
+        run_bench(lines, "bench_memory.py", "--device", "cuda", "--budget-gb", "0")
     else:
         run_bench(lines, "bench_compile.py", "--device", "cpu", "--sizes", "tiny", "--blocks", "1",
                   "--block-steps", "2")

@@ -124,6 +124,8 @@ def test_run_sh_trains_vallex_with_two_languages(tmp_path):
     assert len(launches) == 2  # AR, then NAR
     for line in launches:
         assert "--dataset vallex" in line and "--num-languages 2" in line and "--languages en-us,cmn" in line
+        # the stand-in answers "yes" to "is there a GPU": batches sized to its memory
+        assert "--max-duration auto" in line and "--memory-budget-gb 0" in line
     assert "--train-stage 1" in launches[0] and "--train-stage 2" in launches[1]
 
 

@@ -38,3 +38,17 @@ def train_worker(rank: int, world_size: int, argv: list[str]) -> dict[str, Any]:
 def matrix_worker(rank: int, world_size: int, runs: list[tuple[str, list[str]]]) -> dict[str, Any]:
     """Several trainer runs in one process group (one spawn for a whole matrix row)."""
     return {name: train_worker(rank, world_size, argv) for name, argv in runs}
+
+
+def agree_worker(rank: int, world_size: int, values: list[float]) -> float:
+    """`valle.train.autobatch.agree` with rank r proposing values[r] (the budget every rank
+    trains with)."""
+    from types import SimpleNamespace
+
+    from valle.train.autobatch import agree
+    from valle.train.dist import init_distributed
+    from valle.train.resilience.channel import ControlChannel
+
+    ctx = init_distributed("cpu")
+    channel = ControlChannel(ctx)
+    return agree(SimpleNamespace(gather_objects=channel.gather_objects), values[rank])

@@ -57,6 +57,14 @@ def test_bench_host_demo_on_lhotse_data(tmp_path):
     assert "fewer than the 400 this needs" in too_long.stderr, too_long.stderr[-2000:]
 
 
+@pytest.mark.timeout(300)
+def test_bench_memory_prints_checkpointing_ratios_and_the_auto_choice():
+    proc = subprocess.run([sys.executable, "scripts/bench_memory.py", "--sizes", "tiny", "--steps", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| tiny |" in proc.stdout and "peak on/off" in proc.stdout
+    assert "| model | step ms | step ms counted | ratio |" in proc.stdout
+    assert "| tiny | 0.05 |" in proc.stdout  # the auto row: budget, chosen, usable, seconds
 @pytest.mark.timeout(600)
 def test_bench_startup_prints_its_table(tmp_path):
     proc = subprocess.run([sys.executable, "scripts/bench_startup.py", "--sizes", "30,60", "--repeats", "1",

@@ -22,6 +22,9 @@ def test_checkpoint_config_keeps_every_key_and_value_of_before():
     expected = dict(BEFORE["config"])
     # The one difference: the model's name as ModelConfig reads it (it always lowercased it).
     assert expected.pop("model_name") == "VALLE" and config.pop("model_name") == "valle"
+    # Flags added since (--max-duration auto, issue #39): new keys, at their defaults.
+    added = {"memory_budget_gb": 0.0, "memory_headroom": -1.0, "activation_checkpointing": False}
+    assert {k: config.pop(k) for k in added} == added
     assert config == expected
     json.dumps(config)  # plain types only
 

@@ -37,6 +37,19 @@ TEXT_BUDGET_MARGIN = 1.25
 DEFAULT_TEXT_TOKENS_PER_SECOND = 25.0
 
 
+def parse_max_duration(v: str) -> float | str:
+    """Seconds of audio per batch, or ``auto`` (the trainer measures what fits in memory)."""
+    if v.lower() == "auto":
+        return "auto"
+    try:
+        seconds = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--max-duration: expected auto or seconds, got {v!r}") from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"--max-duration must be > 0, got {v}")
+    return seconds
+
+
 def parse_max_text_tokens(v: str) -> int | str | None:
     """``auto`` (default), a positive int, or ``off``/``none``/``0`` (no text budget)."""
     if v.lower() == "auto":
@@ -84,7 +97,10 @@ class DataConfig:
     valid_part: str = _data("dev")
     text_tokens: Path | None = _data(
         None, "symbol table (default: {manifest-dir}/unique_text_tokens.k2symbols)")
-    max_duration: float = _data(40.0, "seconds of audio per batch (padded)")
+    # "auto": the trainer measures the largest that fits (valle/train/autobatch.py), then a number
+    max_duration: float | str = _data(
+        40.0, "seconds of audio per batch (padded), or auto: the largest that fits the device's "
+        "memory, measured before training (docs/oom.md)", parse=parse_max_duration)
     # "auto" until the data module resolves it (a number, or None: no text budget)
     max_text_tokens: int | str | None = _data(
         "auto", "padded text tokens per batch: auto (default: from --max-duration and the "
@@ -143,6 +159,9 @@ class TtsDataModule:
                  prefix_mode: int = 0) -> None:
         self.cfg = cfg
         self.seed, self.num_languages, self.prefix_mode = seed, num_languages, int(prefix_mode)
+        if cfg.max_duration == "auto":
+            raise ValueError("--max-duration auto: the trainer chooses the number (bin/trainer.py); "
+                             "here give seconds")
         if cfg.max_text_tokens == "auto":
             resolve_max_text_tokens(cfg)
         self.filter_report = V.ValidationReport()

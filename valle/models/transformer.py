@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class KVCache:
@@ -285,6 +286,8 @@ class TransformerStack(nn.Module):
     ):
         super().__init__()
         self.adaptive = adaptive
+        # Set by the trainer (--activation-checkpointing); not part of the architecture.
+        self.activation_checkpointing = False
         self.layers = nn.ModuleList(
             TransformerLayer(dim, nhead, dropout, norm_first, adaptive, cross)
             for _ in range(num_layers)
@@ -312,12 +315,33 @@ class TransformerStack(nn.Module):
         """``probe`` with ``probe_last`` = n: the last n layers record their text-attention
         scores into it (see TransformerLayer.forward)."""
         first_probed = len(self.layers) - probe_last
+        if self._recompute(caches, probe):
+            for layer in self.layers:
+                x = checkpoint(layer, x, mask, cond, memory, memory_mask, None, use_reentrant=False)
+            return self._final(x, cond)
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, cond, memory, memory_mask, None if caches is None else caches[i],
                       probe=probe if i >= first_probed else None)  # fmt: skip
+        return self._final(x, cond)
+
+    def _recompute(self, caches: list[LayerCache] | None, probe: AttentionProbe | None) -> bool:
+        """Activation checkpointing applies to training forwards only (no cache, no probe):
+        each layer keeps its input and recomputes the rest in backward. torch's checkpoint
+        (use_reentrant=False) restores the RNG state, so dropout replays the same masks."""
+        return (self.activation_checkpointing and self.training and torch.is_grad_enabled()
+                and caches is None and probe is None)
+
+    def _final(self, x: torch.Tensor, cond: torch.Tensor | None) -> torch.Tensor:
         if self.final_norm is not None:
             x = self.final_norm(x, cond) if self.adaptive else self.final_norm(x)
         return x
+
+
+def set_activation_checkpointing(model: nn.Module, on: bool) -> None:
+    """Every decoder stack of `model` recomputes its layers in backward (or stops to)."""
+    for module in model.modules():
+        if isinstance(module, TransformerStack):
+            module.activation_checkpointing = on
 
 
 def prefix_causal_mask(key_valid: torch.Tensor, prefix_len: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from valle.train import autobatch
 from valle.train.checkpoint import (
     apply_stage_switch,
     find_latest_checkpoint,
@@ -61,6 +62,8 @@ class Run:
     unreadable_total: int = 0  # cuts whose codes could not be read, all ranks, this launch
     preemption: Preemption = field(default_factory=lambda: Preemption(0.0))
     compiler: TrainingCompiler | None = None  # --compile
+    meter: Any = None  # valle.train.resilience.meter: peak memory and the budget
+    memory_model: Any = None  # valle.train.autobatch.MemoryModel when --max-duration auto chose
     samples: Any = None  # valle.train.samples.SampleWriter, made by its first pass (rank 0)
 
 
@@ -151,6 +154,11 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     sync = build_grad_sync(cfg.grad_sync, model, [p for _, p in named], world_size=ctx.world_size,
                            device=ctx.device, group=ctx.group, bucket_cap_mb=cfg.bucket_cap_mb)
     quarantine = Quarantine(cfg.exp_dir / "quarantine.jsonl")
+    autobatch.check_auto_flags(cfg, ctx.device)
+    if cfg.activation_checkpointing:
+        from valle.models.transformer import set_activation_checkpointing
+
+        set_activation_checkpointing(model, True)
     if cfg.oom_snapshot and ctx.device.type == "cuda":
         torch.cuda.memory._record_memory_history(max_entries=100000)
     stepper = ResilientStep(
@@ -164,6 +172,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
         reporter=OomReporter(cfg.exp_dir, ctx.rank, cfg.save_oom_batches, cfg.oom_snapshot),
         quarantine=quarantine, channel=ctx.channel,
     )
+    # --max-duration auto: a provisional budget until the run can measure (below).
+    pending = autobatch.provisional_budget(cfg, (payload or {}).get("config"))
     # The model's head (a resumed checkpoint's, whatever the flag) must fit the corpus's codebook 0.
     data = build_train_data(cfg, ctx, ar_codebook_size=model.ar_codebook_size)
     run = Run(cfg, ctx, model, optimizer, scheduler, scaler, averager, stepper, data, quarantine,
@@ -181,11 +191,29 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
                                        allocation_injector=injector)
     # After restore: state created from the weights training starts from.
     stepper.materialize_state()
+    attach_meter(run)
+    if pending is not None:  # measured with everything a step holds: state, --compile, reserve
+        run.data = autobatch.choose_batch_budget(run, pending)
     logger.info("model: %.2f M parameters, %.2f M trained in stage %d; grad sync %s; %d rank(s) on %s",
                 sum(p.numel() for p in model.parameters()) / 1e6,
                 sum(p.numel() for _, p in named) / 1e6, cfg.train_stage, cfg.grad_sync,
                 ctx.world_size, ctx.device)
     return run
+
+
+def attach_meter(run: Run) -> None:
+    """The memory meter (valle.train.resilience.meter), shared by the scan, the batch-budget
+    search, OOM reports and the progress line. On CPU it counts from here on only under
+    --memory-budget-gb (a simulated device); otherwise only in the windows that ask."""
+    from valle.train.resilience.meter import build_meter, training_state_tensors
+
+    meter = build_meter(run.ctx.device, run.cfg.memory_budget_gb)
+    buckets = [b.buffer for b in getattr(run.stepper.sync, "buckets", [])]  # gradients' home
+    meter.track(training_state_tensors(run.model, run.optimizer, buckets))
+    if meter.enforce:
+        meter.start()
+    run.meter = run.stepper.meter = meter
+    run.stepper.reporter.meter = meter
 
 
 def architecture_hparams(cfg: TrainConfig, payload: dict | None) -> dict[str, Any]:

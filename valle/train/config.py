@@ -145,6 +145,17 @@ class TrainConfig:
     update_retries: int = _resilience(
         2, "local retries of an optimizer/averaging phase that ran out of memory "
         "(it resumes where it stopped) before the rank is repaired from another")
+    # memory (valle/train/autobatch.py, valle/train/resilience/meter.py, docs/oom.md)
+    memory_budget_gb: float = _resilience(  # 0: on CUDA the device's free memory at start
+        0.0, "memory this run may use per device (default on CUDA: the device's free memory "
+        "at start). --max-duration auto fills it; on CPU it is a simulated device: the "
+        "memory meter raises an OOM past it (docs/oom.md)")
+    memory_headroom: float = _resilience(  # -1: 0.10 on CUDA, 0.03 with the CPU meter
+        -1.0, "--max-duration auto leaves this fraction of the budget free for "
+        "fragmentation (-1: 0.10 on CUDA, 0.03 on CPU)")
+    activation_checkpointing: bool = _resilience(  # recompute each decoder layer in backward
+        False, "recompute each decoder layer's activations in backward: less memory (so "
+        "--max-duration auto picks larger batches), more time", nargs="?", const=True)
     count_allocations: str = _resilience("", hidden=True)  # the sweep's dry run: the census file
     inject_fault: list[FaultSpec] = _resilience(
         default_factory=list, append=True, parse=parse_fault,
@@ -225,6 +236,10 @@ def validate_config(cfg: TrainConfig) -> None:
     def bad(flag: str, why: str) -> None:
         raise ValueError(f"{flag}: {why}")
 
+    if cfg.memory_budget_gb < 0:
+        bad("--memory-budget-gb", "must be >= 0 (0: the device's free memory)")
+    if cfg.memory_headroom >= 1:
+        bad("--memory-headroom", "must be below 1 (-1: the default)")
     if cfg.accumulate_grad_steps < 1:
         bad("--accumulate-grad-steps", "must be >= 1")
     if cfg.dtype == "float16" and cfg.device == "cpu":

@@ -96,21 +96,7 @@ class LhotseTrainData:
     def pessimistic_batches(self) -> dict[str, Batch]:
         """The worst batch per criterion: built from the extremes record (no pass; the same
         batches on every rank), or without one from a pass over this rank's batches."""
-        worst = self.module.worst_batches()
-        dataset = self.train.dataset
-        if worst is None:
-            worst, dataset = self._worst_by_a_pass()
-        return {f"{name} ({value:.1f})": dataset[cuts] for name, (value, cuts) in worst.items()}
-
-    def _worst_by_a_pass(self) -> tuple[dict[str, tuple[float, Any]], Any]:
-        """One pass over this rank's batches (metadata only), the worst per criterion."""
-        from tqdm import tqdm
-
-        from valle.data.pessimistic import worst_of
-
-        batches, dataset = self.module.scan_batches(self.ctx.rank, self.ctx.world_size)
-        return worst_of(tqdm(batches, desc="scanning for pessimistic batches",
-                             disable=not self.ctx.is_main)), dataset
+        return pessimistic_batches_of(self.module, self.ctx, self.train.dataset)
 
     def state_dict(self, ctx: DistContext, next_epoch: bool = False) -> dict[str, Any]:
         self.write_filter_report()  # with each checkpoint
@@ -121,3 +107,21 @@ class LhotseTrainData:
 
     def steps_hint(self, num_epochs: int) -> int | None:
         return None  # a lazy manifest does not know its length without a pass
+
+
+def pessimistic_batches_of(module: TtsDataModule, ctx: DistContext, dataset: Any = None
+                           ) -> dict[str, Batch]:
+    """The worst batch per criterion of `module`'s training data, collated by `dataset` (the
+    train loader's; None: the scan's): from the extremes record, else by a pass over this
+    rank's batches (metadata only). --max-duration auto calls it at several budgets."""
+    worst = module.worst_batches()
+    if worst is None or dataset is None:
+        from tqdm import tqdm
+
+        from valle.data.pessimistic import worst_of
+
+        batches, dataset = module.scan_batches(ctx.rank, ctx.world_size)
+        if worst is None:
+            worst = worst_of(tqdm(batches, desc="scanning for pessimistic batches",
+                                  disable=not ctx.is_main))
+    return {f"{name} ({value:.1f})": dataset[cuts] for name, (value, cuts) in worst.items()}

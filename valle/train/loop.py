@@ -95,6 +95,13 @@ class TrainSummary:
     unfired_faults: list[str] = field(default_factory=list)  # --inject-fault specs that never fired here
     preempted: bool = False  # stopped by a preemption signal (exit 17, or 18 without checkpoint)
     preempt_checkpoint: bool = False  # ... and its checkpoint was written
+    # memory (docs/oom.md): the batch budget used, the memory budget, the training peak
+    max_duration: float | None = None
+    max_text_tokens: int | None = None
+    synthetic_batch_size: int | None = None
+    memory_budget_bytes: int = 0
+    peak_memory_bytes: int = 0  # max over training steps (0: not measured, CPU without a budget)
+    oom_events: int = 0  # every epoch's, all ranks
     model_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)  # not in the JSON
 
     def to_json(self) -> dict[str, Any]:
@@ -124,6 +131,7 @@ def train(cfg: TrainConfig) -> TrainSummary:
         try:
             summary = train_epochs(run)
         finally:
+            run.meter.stop()
             run.watchdog.close()
             if run.compiler is not None:
                 run.compiler.close()
@@ -154,6 +162,7 @@ def train_epochs(run: Run) -> TrainSummary:
         # The run passed the scan when it started; under --max-restarts every relaunch
         # would otherwise pay a full pass over the manifest again.
         logger.info("pessimistic scan skipped: resuming a run that already passed it")
+    run.meter.reset_peak()  # the training peak, not the scan's
     meter = ThroughputMeter()
     totals = MetricsTracker()
     stopping = False  # a preemption was voted: save at this step boundary and return
@@ -220,10 +229,29 @@ def train_epochs(run: Run) -> TrainSummary:
     logger.info("done: %d steps, last logged loss %.4f; checkpoints, logs and TensorBoard in %s%s",
                 run.step, summary.final_loss, run.cfg.exp_dir, compile_note(run.compiler))
     summary.steps = run.step
+    record_memory(run, summary)
+    run.meter.stop()  # the budget binds training; what follows is bookkeeping
     run.stepper.local("summary", lambda: summary.fingerprints.update(run.stepper.fingerprints()))
     summary.model_state = run.model.state_dict()
     write_json(run.cfg.exp_dir / f"summary-rank{run.ctx.rank}.json", summary.to_json())
     return summary
+
+
+def training_peak(run: Run) -> int:
+    """Peak bytes since training began: CUDA's allocator, or the CPU meter when it runs
+    (--memory-budget-gb); 0 when nothing measured it."""
+    return run.meter.peak_bytes() if run.meter.running else 0
+
+
+def record_memory(run: Run, summary: TrainSummary) -> None:
+    """The summary's memory facts: the batch budget used, the memory budget, the peak."""
+    cfg = run.cfg
+    summary.max_duration = None if cfg.synthetic_data else cfg.data.max_duration
+    summary.max_text_tokens = None if cfg.synthetic_data else cfg.data.max_text_tokens
+    summary.synthetic_batch_size = cfg.synthetic_batch_size if cfg.synthetic_data else None
+    summary.memory_budget_bytes = int(run.meter.budget_bytes)
+    summary.peak_memory_bytes = int(training_peak(run))
+    summary.oom_events = sum(int(e.get("oom_events", 0)) for e in summary.epochs)
 
 
 def preempted(run: Run, summary: TrainSummary, saved: bool) -> TrainSummary:
@@ -347,22 +375,27 @@ def log_progress(run: Run, totals: MetricsTracker, meter: ThroughputMeter) -> No
     total = run.cfg.max_steps or hint or (
         run.steps_per_epoch * run.cfg.num_epochs if run.steps_per_epoch else 0)
     eta = meter.eta(run.step, total) if total else "? (known after the first epoch)"
-    memory = torch.cuda.max_memory_allocated(run.ctx.device) / 2**20 if run.ctx.device.type == "cuda" else 0.0
+    peak = training_peak(run)
+    memory = peak / 2**20
+    budget = run.meter.budget_bytes
+    fraction = peak / budget if peak and budget else None
     parts = [f"loss {values.get('loss', math.nan):.4f}"]
     for head in ("ar", "nar"):  # only the heads trained in this stage
         if values.get(f"{head}_frames", 0) > 0:
             parts.append(f"{head} {values[head + '_loss']:.4f} top10 {values[head + '_top10_acc']:.3f}")
     logger.info(
         "epoch %d step %d | %s | lr %.2e | %s | ETA %s | ooms %d retries %d quarantined %d "
-        "skipped %d%s%s",
+        "skipped %d%s%s%s",
         run.epoch, run.step, " | ".join(parts), lr, meter, eta, int(values.get("oom_events", 0)),
         int(values.get("retries", 0)), int(values.get("quarantined", 0)),
         int(values.get("skipped_steps", 0)), f" | grad scale {scale:.3g}" if scale else "",
+        f" | peak memory {fraction:.0%} of budget" if fraction else "",
         compile_note(run.compiler),
     )
     run.tb.scalars(run.step, {**values, "lr": lr, "grad_scale": scale, "it_per_s": meter.rate,
                               "step_time_s": 1.0 / meter.rate if meter.rate else None,
-                              "max_memory_mib": memory}, prefix="train/")
+                              "max_memory_mib": memory, "memory_fraction": fraction},
+                   prefix="train/")
 
 
 def log_trained_cuts(run: Run, result: StepResult) -> None:

@@ -24,6 +24,10 @@ CONFIGS = [
     SweepConfig(world_size=2, scaler=True, failing="all", fault_step=1),
     # a damaged rank repaired from rank 0, with rank 0's allocations failing
     SweepConfig(world_size=2, scaler=False, failing="some", fault_step=1, scenario="repair"),
+    # activation checkpointing: the recomputation allocates inside backward (every rank
+    # failing: rank 0's census has the checkpoint save)
+    SweepConfig(world_size=2, scaler=False, failing="all", fault_step=1,
+                model_flags=("--activation-checkpointing",)),
 ]
 
 

@@ -32,9 +32,10 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -154,7 +155,7 @@ class FaultInjector:
         self.census: dict[int, list[tuple[str, str]]] | None = None  # step -> [(phase, op)]
         self._host_depth = 0
         self._error_phase: str | None = None
-        self._mode: _AllocationMode | None = None
+        self._mode: AllocationMode | None = None
 
     def begin_attempt(self, step: int, attempt: int) -> None:
         if step != self.step:
@@ -202,7 +203,7 @@ class FaultInjector:
     def start(self) -> None:
         """Install the allocation interceptor if an alloc fault or a census needs it."""
         if (self.alloc_specs or self.census is not None) and self._mode is None:
-            self._mode = _AllocationMode(self)
+            self._mode = AllocationMode(before=self.on_allocation)
             self._mode.__enter__()
 
     def stop(self) -> None:
@@ -342,18 +343,33 @@ def _allocates(func) -> bool:
 _ALLOCATES: dict = {}
 
 
-class _AllocationMode(TorchDispatchMode):
+class AllocationMode(TorchDispatchMode):
     """Sees every aten op below autograd and autocast (forward, backward, optimizer
-    foreach kernels, the scaler's kernels, collectives' local work)."""
+    foreach kernels, the scaler's kernels, collectives' local work).
 
-    def __init__(self, injector: FaultInjector):
+    For each op that allocates: `before(op_name)` may raise (the fault injector), and
+    `after(outputs)` sees the new tensors and may return an error to raise (the CPU memory
+    meter, valle.train.resilience.meter). It is raised from here once this frame no longer
+    holds the op's inputs and outputs: an error raised inside backward is kept by the
+    autograd engine with its traceback until the next backward, and would pin them."""
+
+    def __init__(self, before: Callable[[str], None] | None = None,
+                 after: Callable[[Any], BaseException | None] | None = None):
         super().__init__()
-        self.injector = injector
+        self.before = before
+        self.after = after
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _allocates(func):
-            self.injector.on_allocation(str(func.overloadpacket.__name__))
-        return func(*args, **(kwargs or {}))
+        if not _allocates(func):
+            return func(*args, **(kwargs or {}))
+        if self.before is not None:
+            self.before(str(func.overloadpacket.__name__))
+        out = func(*args, **(kwargs or {}))
+        error = self.after(out) if self.after is not None else None
+        if error is not None:
+            del out, args, kwargs
+            raise error
+        return out
 
 
 class _NanGradient(torch.autograd.Function):

@@ -181,7 +181,9 @@ class OomEvent:
             f"allocated {mem.get('allocated', 0) / MiB:.0f} MiB, "
             f"reserved {mem.get('reserved', 0) / MiB:.0f} MiB, "
             f"largest free block {mem.get('largest_free_block', 0) / MiB:.0f} MiB; "
-            f"cuts {self.cut_ids[:8]}{' ...' if len(self.cut_ids) > 8 else ''}"
+            + (f"predicted peak {mem['predicted_peak'] / MiB:.0f} MiB of a "
+               f"{mem.get('budget', 0) / MiB:.0f} MiB budget; " if "predicted_peak" in mem else "")
+            + f"cuts {self.cut_ids[:8]}{' ...' if len(self.cut_ids) > 8 else ''}"
         )
 
 
@@ -216,8 +218,11 @@ class OomReporter:
         self.memory_snapshots = memory_snapshots
         self.saved = 0
         self.events: list[OomEvent] = []
+        self.meter = None  # valle.train.resilience.meter (set by the trainer): budget, CPU figures
+        self.predict_peak = None  # batch -> bytes, set when --max-duration auto fitted a model
 
     def report(self, event: OomEvent, batch: dict[str, Any] | None) -> OomEvent:
+        self._add_budget_figures(event, batch)
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
             if batch is not None and self.saved < self.save_batches:
@@ -233,3 +238,14 @@ class OomReporter:
         self.events.append(event)
         logger.warning("%s", event.summary())
         return event
+
+    def _add_budget_figures(self, event: OomEvent, batch: dict[str, Any] | None) -> None:
+        """The budget, the batch's predicted peak beside it, and on CPU the meter's figures."""
+        if self.meter is None:
+            return
+        event.memory["budget"] = int(self.meter.budget_bytes)
+        if self.meter.kind == "census":
+            event.memory.update(allocated=self.meter.live_bytes(),
+                                max_allocated=self.meter.peak_bytes())
+        if self.predict_peak is not None and batch is not None:
+            event.memory["predicted_peak"] = int(self.predict_peak(batch))

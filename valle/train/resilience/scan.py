@@ -42,9 +42,9 @@ class ScanRow:
 
     def line(self) -> str:
         if self.total_bytes:
-            mem = (f"{self.peak_bytes / MiB:9.0f} MiB  {(self.total_bytes - self.peak_bytes) / MiB:9.0f} MiB")
-        else:
-            mem = f"{'n/a (CPU)':>13}  {'n/a':>13}"
+            mem = (f"{self.peak_bytes / MiB:9.1f} MiB  {(self.total_bytes - self.peak_bytes) / MiB:9.1f} MiB")
+        else:  # a CPU run without --memory-budget-gb: a peak, but no budget to compare with
+            mem = f"{self.peak_bytes / MiB:9.1f} MiB  {'n/a':>13}"
         return (f"{self.criterion:<36} {self.cuts:>5} {self.frames:>7} {self.text_tokens:>7}  {mem}  "
                 f"{'ok' if self.fits else 'OOM'}")
 
@@ -54,8 +54,9 @@ def scan_pessimistic_batches(stepper, batches: dict[str, Batch], cfg: TrainConfi
     # The optimizer state is real by now (ResilientStep.materialize_state): it takes
     # its memory here as it will in training, no stand-in needed.
     stepper.materialize_state()
-    with stepper.faults.phase_scope("scan"):
-        rows = [_try_batch(stepper, name, batch) for name, batch in batches.items()]
+    meter = scan_meter(stepper)
+    with meter.active(), stepper.faults.phase_scope("scan"):
+        rows = [_try_batch(stepper, meter, name, batch) for name, batch in batches.items()]
     free_memory(device)
     header = (f"{'criterion':<36} {'cuts':>5} {'frames':>7} {'text':>7}  {'peak':>13}  "
               f"{'headroom':>13}  result")
@@ -72,15 +73,27 @@ def scan_pessimistic_batches(stepper, batches: dict[str, Batch], cfg: TrainConfi
     return rows
 
 
-def _try_batch(stepper, name: str, batch: Batch) -> ScanRow:
-    device = stepper.device
-    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+def scan_meter(stepper):
+    """The run's memory meter (valle.train.build), or one made for this scan (callers
+    that built a step by hand): on CPU it counts tensors only inside the scan."""
+    meter = getattr(stepper, "meter", None)
+    if meter is None:
+        from valle.train.resilience.meter import build_meter, training_state_tensors
+
+        meter = build_meter(stepper.device, 0.0)
+        meter.track(training_state_tensors(stepper.model, stepper.optimizer))
+        if stepper.device.type == "cuda":  # the scan's "headroom": the whole device, as before
+            meter.budget_bytes = torch.cuda.get_device_properties(stepper.device).total_memory
+    return meter
+
+
+def _try_batch(stepper, meter, name: str, batch: Batch) -> ScanRow:
+    total = meter.budget_bytes
     fraction, current = 1.0, batch
     while True:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        meter.reset_peak()
         ok = _fits(stepper, current)
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        peak = meter.peak_bytes()
         if ok or batch_size(current) == 1:
             break
         fraction /= 2
