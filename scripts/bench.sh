@@ -69,6 +69,14 @@ tmp=$(mktemp)
   echo
   python scripts/bench_compile.py 2>/dev/null | grep -v -e 'Gloo' -e 'connected to' -e 'peer ranks'
   echo
+  echo "## recipe combine against corpus size: time and peak RSS (ids checked in an on-disk table)"
+  echo
+  echo '```'
+  echo "python scripts/bench_combine.py --sizes 100000,400000"
+  echo '```'
+  echo
+  python scripts/bench_combine.py --sizes 100000,400000 2>/dev/null
+  echo
   echo "## Tokenization throughput"
   echo
   echo '```'
