@@ -77,6 +77,14 @@ tmp=$(mktemp)
   echo
   python scripts/bench_lora.py 2>/dev/null | grep -v -e 'CPUAllocator' -e 'gpuGetDeviceCount'
   echo
+  echo "## recipe combine against corpus size: time and peak RSS (ids checked in an on-disk table)"
+  echo
+  echo '```'
+  echo "python scripts/bench_combine.py --sizes 100000,400000"
+  echo '```'
+  echo
+  python scripts/bench_combine.py --sizes 100000,400000 2>/dev/null
+  echo
   echo "## Tokenization throughput"
   echo
   echo '```'

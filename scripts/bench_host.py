@@ -223,9 +223,9 @@ def phases_marked():
     from torch.profiler import record_function
 
     from valle.train import loop
-    from valle.train.resilience import faults, step
+    from valle.train.resilience import phases, step
 
-    originals = (faults.FaultInjector.phase_scope, faults.FaultInjector.host_work,
+    originals = (phases.PhaseTracker.phase_scope, phases.PhaseTracker.host_work,
                  step.ResilientStep.run, loop.draw, loop.step_metrics)
 
     def marked(name, fn):
@@ -244,15 +244,15 @@ def phases_marked():
         with record_function("host_work"), originals[1](self):
             yield
 
-    faults.FaultInjector.phase_scope = phase_scope
-    faults.FaultInjector.host_work = host_work
+    phases.PhaseTracker.phase_scope = phase_scope
+    phases.PhaseTracker.host_work = host_work
     step.ResilientStep.run = marked("ResilientStep.run", originals[2])
     loop.draw = marked("loop.draw (data)", originals[3])
     loop.step_metrics = marked("loop.step_metrics", originals[4])
     try:
         yield
     finally:
-        (faults.FaultInjector.phase_scope, faults.FaultInjector.host_work,
+        (phases.PhaseTracker.phase_scope, phases.PhaseTracker.host_work,
          step.ResilientStep.run, loop.draw, loop.step_metrics) = originals
 
 

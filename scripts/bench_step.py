@@ -59,7 +59,7 @@ def build(dim: int, layers: int, mode: str, ctx, seed: int = 0):
 
 def plain_step(model, optimizer, batch, step: int) -> None:
     """What a trainer without any protection does."""
-    from valle.train.resilience.step import sample_seed
+    from valle.train.resilience.forward_backward import sample_seed
 
     optimizer.zero_grad(set_to_none=True)
     device = next(model.parameters()).device

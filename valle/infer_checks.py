@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from valle.data.scripts import (
+    KANJI_READER_HINT,
+    base_language,
     language_scripts,
     languages_for_script,
     script_runs,
@@ -73,6 +75,8 @@ def script_problem(text: str, language: str, field: str, model_languages: list[s
         said_by = (f"languages that can: {', '.join(can)}" if can else
                    "none of this checkpoint's languages can" if model_languages is not None else
                    "no language known here can")  # fmt: skip
+        if script == "Han" and base_language(language) == "ja":
+            said_by += f" ({KANJI_READER_HINT})"
         parts.append(f"{script} letters ({letters[:12]!r}) that the {language} voice cannot read as "
                      f"words (eSpeak would spell them out); {said_by}")  # fmt: skip
     return TextProblem(field, f"{what} has " + "; and ".join(parts))

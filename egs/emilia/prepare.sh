@@ -17,10 +17,11 @@
 #         3 held-out parts: per language the first --num-dev cuts -> dev, the next --num-test
 #           -> test, the rest -> train; all languages combined -> emilia_cuts_{train,dev,test} (train
 #           interleaved: every stretch of it holds the languages in proportion) with their
-#           extremes records (emilia_extremes_{train,dev,test}.json, for the trainer's start-up),
+#           extremes records (emilia_extremes_{train,dev,test}.json, for the trainer's start-up;
+#           split, interleave and combine write them in their pass over the cuts),
 #         4 statistics (cuts per language), 5 (on request) Lhotse Shar shards of train.
-# Japanese: espeak's ja voice reads kana; text with kanji makes it switch language, and such
-# cuts are reported (language_switch) and left out: most of Emilia's JA (docs/data.md).
+# Japanese: espeak's ja voice reads kana only; pykakasi (the `ja` extra) first turns kanji into
+# hiragana (valle/data/japanese.py), and stage 2 stops if it is not installed (docs/data.md).
 set -euo pipefail
 
 stage=0
@@ -85,6 +86,12 @@ if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 2 ]; then
   # shellcheck disable=SC2206  # the launcher is a command line
   launch=(${tokenizer_launcher:-$python})
   log 2 "tokenize -> $tok with ${launch[*]}, one shared symbol table (restartable)"
+  # Most of Emilia's JA is written with kanji, which espeak's ja voice cannot read: without
+  # the kanji reader those rows would all be reported and left out.
+  if [[ " $espeak_parts " == *" ja "* ]] && ! "$python" -c "import pykakasi" 2>/dev/null; then
+    echo "$0: ja needs pykakasi to read kanji as kana: pip install -e '.[ja]' (or drop ja from --languages)" >&2
+    exit 1
+  fi
   # Each row's language ("en", "de", ...) picks its espeak voice; one run per text front end.
   if [ -n "${espeak_parts// /}" ]; then
     # shellcheck disable=SC2086  # extra_tokenizer_flags is a list of flags
@@ -111,10 +118,10 @@ if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
   # interleaved, not concatenated: the trainer shuffles inside a buffer, and a manifest in
   # language blocks would train on one language at a time
   "$python" -m valle.data.emilia interleave "$tok/emilia_cuts_train.jsonl.gz" "${parts_train[@]}"
+  # interleave and combine also write the parts' extremes records (emilia_extremes_*.json),
+  # which the trainer's start-up reads instead of the manifests
   "${recipe[@]}" combine "$tok/emilia_cuts_dev.jsonl.gz" "${parts_dev[@]}"
   "${recipe[@]}" combine "$tok/emilia_cuts_test.jsonl.gz" "${parts_test[@]}"
-  # their extremes records (the trainer's start-up reads them instead of the manifest): one pass
-  "${recipe[@]}" extremes "$tok"/emilia_cuts_{train,dev,test}.jsonl.gz
 fi
 
 if [ "$stage" -le 4 ] && [ "$stop_stage" -ge 4 ]; then

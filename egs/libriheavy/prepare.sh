@@ -15,8 +15,8 @@
 #           --tokenizer-launcher "torchrun --nnodes N --nproc-per-node G ...", or as the tasks
 #           of a SLURM array: docs/data.md),
 #         3 combine the train parts (small, medium, large: disjoint) -> libriheavy_cuts_train
-#           and their extremes records -> libriheavy_extremes_train.json (the trainer's start-up
-#           reads it); dev -> libriheavy_cuts_dev (the trainer's --valid-part default) as tokenized,
+#           and, in the same pass, its extremes record libriheavy_extremes_train.json (the
+#           trainer's start-up reads it); dev -> libriheavy_cuts_dev (--valid-part) as tokenized,
 #         4 statistics, 5 (on request) Lhotse Shar shards of train (--stop-stage 5; --shar-dir).
 # Parts: small (509 h), medium (5,042 h), large (50,794 h), dev, test_clean, test_other.
 # --dataset-parts "all" means every part.
@@ -85,21 +85,12 @@ fi
 if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
   log 3 "combine: small medium large -> libriheavy_cuts_train (dev stays libriheavy_cuts_dev)"
   train=()
-  extremes=()
   for p in $dataset_parts; do
-    case "$p" in
-      small|medium|large) train+=("$tok/libriheavy_cuts_${p}.jsonl.gz"); extremes+=("$tok/libriheavy_extremes_${p}.json") ;;
-    esac
+    case "$p" in small|medium|large) train+=("$tok/libriheavy_cuts_${p}.jsonl.gz") ;; esac
   done
   if [ ${#train[@]} -gt 0 ]; then
+    # also writes libriheavy_extremes_train.json, which the trainer's start-up reads
     "${recipe[@]}" combine "$tok/libriheavy_cuts_train.jsonl.gz" "${train[@]}"
-    # the trainer's start-up reads train's extremes record: the parts' records merged (disjoint);
-    # parts tokenized before bin/tokenizer.py wrote records: one pass over train instead
-    if ls "${extremes[@]}" >/dev/null 2>&1; then
-      "${recipe[@]}" merge-extremes "$tok/libriheavy_extremes_train.json" "${extremes[@]}"
-    else
-      "${recipe[@]}" extremes "$tok/libriheavy_cuts_train.jsonl.gz"
-    fi
   fi
 fi
 

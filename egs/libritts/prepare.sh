@@ -77,6 +77,9 @@ if [ "$stage" -le 3 ] && [ "$stop_stage" -ge 3 ]; then
     src=$tok/libritts_cuts_${pair%%:*}.jsonl.gz
     # one part: its cut ids are unique already (bin/tokenizer.py makes one cut per supervision id)
     if [ -f "$src" ]; then cp "$src" "$tok/libritts_cuts_${pair##*:}.jsonl.gz"; fi
+    # and its tokenizer extremes record, under the name the trainer looks for
+    record=$tok/libritts_extremes_${pair%%:*}.json
+    if [ -f "$record" ]; then cp "$record" "$tok/libritts_extremes_${pair##*:}.json"; fi
   done
 fi
 

@@ -162,6 +162,37 @@ def test_tokenized_cuts_hold_the_good_files_at_the_codec_rate(sidecar):
     assert (tok / "unique_text_tokens.k2symbols").is_file()
 
 
+def test_a_stereo_file_is_tokenized_from_the_mean_of_its_channels(sidecar):
+    # left the voice, right a copy at half the level: the codec hears 0.75 x the voice
+    from lhotse import CutSet
+
+    from valle.data.pipeline import AudioLoadDataset
+
+    _, data, _ = sidecar
+    tok = data / "tokenized"
+    cuts = [c for p in ("train", "dev") for c in CutSet.from_file(tok / f"custom_cuts_{p}.jsonl.gz")]
+    stereo = next(c for c in cuts if c.id == "spk_a_stereo")
+    assert stereo.channel == [0, 1] and stereo.supervisions[0].channel == [0, 1]
+    left, right = stereo.load_audio()
+    assert np.abs(left).max() > 0.05 and np.allclose(right, 0.5 * left, atol=1e-3)
+    _, heard, reason, _ = AudioLoadDataset([stereo])[0]  # what bin/tokenizer.py feeds the codec
+    assert reason is None and heard.shape == left.shape
+    np.testing.assert_allclose(heard.numpy(), (left + right) / 2, atol=1e-6)
+    assert not np.allclose(heard.numpy(), left, atol=1e-2)
+
+
+def test_the_silence_checks_hear_every_channel(tmp_path):
+    # speech on the right channel only: channel 0 alone would be silent
+    from valle.data.custom import VAD_RATE, load_for_vad
+
+    t = np.arange(VAD_RATE) / VAD_RATE
+    tone = (0.4 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    sf.write(tmp_path / "right.wav", np.stack([np.zeros_like(tone), tone], axis=1), VAD_RATE)
+    recording, samples = load_for_vad(tmp_path / "right.wav")
+    assert recording.channel_ids == [0, 1] and samples.shape == tone.shape
+    np.testing.assert_allclose(samples, tone / 2, atol=1e-3)
+
+
 def test_the_split_is_by_utterance_deterministic_and_keeps_every_speaker_in_train(sidecar, tmp_path):
     _, data, _ = sidecar
     tok = data / "tokenized"

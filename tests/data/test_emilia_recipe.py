@@ -26,6 +26,8 @@ TEXTS = {
     "ko": ["안녕하세요.", "비가 와요.", "문을 열어요."],
 }
 VOICES = {"en": "en-us", "zh": "cmn", "de": "de", "fr": "fr-fr", "ja": "ja", "ko": "ko"}
+# Japanese as Emilia mostly writes it, with kanji: read as kana (pykakasi), then espeak's ja.
+KANJI_TEXT, KANJI_READING = "東京に行きました。", "とうきょうにいきました。"
 
 
 def _row(lang: str, n: int, text: str, dnsmos: float = 3.4) -> dict:
@@ -38,10 +40,10 @@ def _row(lang: str, n: int, text: str, dnsmos: float = 3.4) -> dict:
 
 def make_emilia(root: Path) -> tuple[Path, dict]:
     """{root}/Emilia/raw/{LANG}/{LANG}_B00000.jsonl and the rows' mp3s. English also has a row
-    below DNSMOS 3.0, a row whose mp3 is missing and a repeated id; Japanese a row in kanji."""
+    below DNSMOS 3.0, a row whose mp3 is missing and a repeated id; Japanese a row with kanji."""
     corpus = root / "Emilia"
     extra = {"low": _row("en", 3, "Too noisy here.", dnsmos=2.7), "missing": _row("en", 4, "Nobody recorded it."),
-             "kanji": _row("ja", 3, "今日は良い天気です。")}
+             "kanji": _row("ja", 3, KANJI_TEXT)}
     k = 0
     for lang, texts in TEXTS.items():
         lang_dir = corpus / "raw" / lang.upper()
@@ -86,10 +88,11 @@ def test_every_stage_runs(emilia):
     assert "corpus found at" in log
     tok = data / "tokenized"
     parts = {p: _cuts(tok / f"emilia_cuts_{p}.jsonl.gz") for p in ("train", "dev", "test")}
-    # per language: 3 usable rows -> 1 dev, 1 test, 1 train (the kanji row never reaches train)
-    assert {p: len(c) for p, c in parts.items()} == {"train": 6, "dev": 6, "test": 6}
+    # per language: 3 usable rows -> 1 dev, 1 test, 1 train; Japanese's 4th (kanji) -> train
+    assert {p: len(c) for p, c in parts.items()} == {"train": 7, "dev": 6, "test": 6}
     for p, cuts in parts.items():
-        assert sorted(c["supervisions"][0]["custom"]["espeak_voice"] for c in cuts) == sorted(VOICES.values()), p
+        expected = sorted([*VOICES.values(), *(["ja"] if p == "train" else [])])
+        assert sorted(c["supervisions"][0]["custom"]["espeak_voice"] for c in cuts) == expected, p
     assert (data / "shar" / "train").is_dir()  # stage 5
     from lhotse import CutSet
 
@@ -111,9 +114,9 @@ def test_each_language_is_phonemized_in_its_own_voice_and_mandarin_by_pypinyin(e
             sup = cut["supervisions"][0]
             voice = sup["custom"]["espeak_voice"]
             assert voice == VOICES[sup["language"]]
-            assert sup["text"] == sup["text"].strip() and sup["text"] in TEXTS[sup["language"]]
-            expected = (pinyin_symbols(sup["text"]) if voice == "cmn"
-                        else tokenizer.phonemize_one(sup["text"], voice)).symbols
+            assert sup["text"] == sup["text"].strip() and sup["text"] in [*TEXTS[sup["language"]], KANJI_TEXT]
+            said = KANJI_READING if sup["text"] == KANJI_TEXT else sup["text"]
+            expected = (pinyin_symbols(said) if voice == "cmn" else tokenizer.phonemize_one(said, voice)).symbols
             assert sup["custom"]["tokens"]["text"] == expected
             assert sup["custom"]["dnsmos"] >= 3.0
 
@@ -126,10 +129,8 @@ def test_every_row_left_out_is_listed_with_its_reason(emilia):
     assert sorted((e.cut_id, e.reason) for e in skipped.entries) == sorted([
         (extra["low"], "low_dnsmos"), (extra["missing"], "missing_audio"), (extra["repeated"], "duplicate_id")])
     assert "DNSMOS 2.700 < --min-dnsmos 3" in log or "low_dnsmos 1" in log
-    # the kanji row passed stage 1 and was reported by the tokenizer (espeak's ja voice
-    # switches language on kanji)
-    bad = ValidationReport.read(data / "tokenized" / "emilia_bad_cuts_ja.tsv")
-    assert [(e.cut_id, e.reason) for e in bad.entries] == [(extra["kanji"], "language_switch")]
+    # the kanji row was read as kana: nothing Japanese is reported
+    assert not ValidationReport.read(data / "tokenized" / "emilia_bad_cuts_ja.tsv").entries
     for lang in ("zh", "de", "fr", "ko"):
         assert not ValidationReport.read(data / "manifests" / f"emilia_skipped_{lang}.tsv").entries
 
@@ -209,3 +210,15 @@ def test_interleave_spreads_each_language_evenly_over_train(tmp_path):
             have = sum(1 for i in ids[:length] if i.startswith(lang))
             assert abs(have - length * n / total) <= 1, (length, lang)
     assert main(["interleave", str(out), *inputs]) == 0 and [c["id"] for c in _cuts(out)] == ids  # deterministic
+
+
+def test_japanese_without_the_kanji_reader_stops_before_tokenizing(tmp_path):
+    # most of Emilia's JA holds kanji: without pykakasi they would all be reported and left out
+    shim = tmp_path / "python"  # a python without pykakasi; anything else it would run fails too
+    shim.write_text('#!/usr/bin/env bash\nif [ "$1" = -c ] && [ "$2" = "import pykakasi" ]; then exit 1; fi\n'
+                    'echo "RAN $*"; exit 3\n')
+    shim.chmod(0o755)
+    rc, out, err = run_recipe("egs/emilia/prepare.sh", "--python", str(shim), "--data-dir", str(tmp_path / "data"),
+                              "--stage", "2", "--stop-stage", "2", "--languages", "en ja", timeout=60)
+    assert rc == 1 and "ja needs pykakasi to read kanji as kana: pip install -e '.[ja]'" in err
+    assert "RAN" not in out  # bin/tokenizer.py never started

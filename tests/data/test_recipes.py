@@ -112,7 +112,7 @@ def test_libritts_recipe_runs_every_stage(libritts):
     assert sorted(p.name for p in (tok / "libritts_encodec_train-clean-100").iterdir()) == ["chunk-000000.h5", "chunk-000001.h5"]
 
 
-def test_combine_takes_a_single_part(libritts, tmp_path):
+def test_combine_takes_a_single_part(libritts, tmp_path, capsys):
     # lhotse's `combine` raised TypeError on one input (the default parts have one train part)
     from valle.data import recipe
 
@@ -120,6 +120,60 @@ def test_combine_takes_a_single_part(libritts, tmp_path):
     src = data / "tokenized" / "libritts_cuts_train-clean-100.jsonl.gz"
     assert recipe.main(["combine", str(tmp_path / "train.jsonl.gz"), str(src)]) == 0
     assert _read(tmp_path / "train.jsonl.gz") == _read(src)
+    # a name the trainer never reads gets no record, and says so
+    assert "no extremes record: " in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.jsonl.gz"]  # no scratch id table left
+
+
+def _record_of_manifest(path: Path) -> dict:
+    from lhotse import CutSet
+
+    from valle.data.extremes import Extremes
+
+    return Extremes.of(CutSet.from_file(path)).to_json()
+
+
+def test_every_part_the_trainer_reads_has_its_extremes_record(libritts, ljspeech):
+    # the trainer's start-up reads {prefix}_extremes_{part}.json instead of the manifest:
+    # combine (libritts train), the copied dev/test and split (ljspeech) all leave one
+    from valle.data.extremes import Extremes
+
+    for data, prefix in ((libritts[0], "libritts"), (ljspeech[0], "ljspeech")):
+        tok = data / "tokenized"
+        for part in ("train", "dev", "test"):
+            record = Extremes.read(tok / f"{prefix}_extremes_{part}.json")
+            assert record.to_json() == _record_of_manifest(tok / f"{prefix}_cuts_{part}.jsonl.gz"), (prefix, part)
+
+
+def test_combine_drops_repeats_across_and_within_parts_and_records_what_it_kept(libritts, tmp_path):
+    from valle.data import recipe
+    from valle.data.extremes import Extremes
+
+    data, _, _ = libritts
+    tok = data / "tokenized"
+    parts = [tok / "libritts_cuts_train-clean-100.jsonl.gz", tok / "libritts_cuts_train-clean-360.jsonl.gz"]
+    doubled = tmp_path / "doubled.jsonl.gz"  # every cut twice in one part
+    _write(doubled, [c for c in _read(parts[1]) for _ in range(2)])
+    out = tmp_path / "x_cuts_train.jsonl.gz"
+    report = recipe.combine(out, [parts[0], doubled, parts[0]])
+    kept = _read(out)
+    assert [c["id"] for c in kept] == list(dict.fromkeys(c["id"] for p in parts for c in _read(p)))
+    assert len(report.entries) == report.checked - len(kept) and report.counts == {"duplicate_id": len(report.entries)}
+    assert Extremes.read(tmp_path / "x_extremes_train.json").to_json() == _record_of_manifest(out)
+    assert not list(tmp_path.glob(".ids.*"))  # the on-disk id table is removed
+
+
+def test_the_seen_id_table_answers_exactly(tmp_path):
+    from valle.data.recipe import _SeenIds
+
+    seen = _SeenIds(tmp_path / "x_cuts_train.jsonl.gz")
+    try:
+        assert [seen.add(i) for i in ["a", "b", "a", "small/1/b", "b", "small/1/b"]] == [
+            True, True, False, True, False, False]
+        assert seen.count == 3 and seen.path.is_file()
+    finally:
+        seen.close()
+    assert not seen.path.exists()
 
 
 def test_libritts_manifest_problems_each_get_a_line(libritts):
@@ -290,3 +344,14 @@ def test_extremes_steps_name_a_badly_named_manifest_or_a_missing_record(tmp_path
     assert recipe.main(["merge-extremes", str(tmp_path / "x_extremes_train.json"),
                         str(tmp_path / "x_extremes_small.json")]) == 2
     assert "x_extremes_small.json: no such extremes record" in capsys.readouterr().err
+
+
+def test_a_cut_the_extremes_record_cannot_take_is_named(tmp_path, capsys):
+    from valle.data import recipe
+
+    part = tmp_path / "x_cuts_small.jsonl.gz"
+    _write(part, [{"id": "small/1/a"}])
+    assert recipe.main(["combine", str(tmp_path / "x_cuts_train.jsonl.gz"), str(part)]) == 2
+    err = capsys.readouterr().err
+    assert "x_cuts_small.jsonl.gz: cut 'small/1/a' has no 'duration' for the extremes record" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x_cuts_small.jsonl.gz"]  # nothing half-written

@@ -289,7 +289,7 @@ def test_dynamo_compiles_nothing_under_the_allocation_injector():
 
     injector = FaultInjector([parse_fault("alloc@0:1000")])
     injector.count_allocations()
-    injector.begin_attempt(0, 0)
+    injector.phases.begin_attempt(0, 0)
     layer = torch.nn.Linear(4, 4)
     fn = torch.compile(lambda x: torch.nn.functional.gelu(layer(x)).sum(), backend="aot_eager")
     frames = counters["frames"]["total"]

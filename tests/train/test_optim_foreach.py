@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.train.scaled_adam_reference import ReferenceScaledAdam
 from valle.train.optim import Adam, ScaledAdam
 from valle.train.resilience.faults import FaultInjector, parse_fault
 
@@ -35,10 +36,11 @@ def _grads(model: nn.Module, step: int) -> None:
 
 
 def _scaled_adam(model: nn.Module, foreach: bool) -> ScaledAdam:
-    opt = ScaledAdam(list(model.named_parameters()), lr=0.05, clipping_scale=2.0,
-                     clipping_update_period=4, size_update_period=2, foreach=foreach,
-                     chunk_mb=1e-4)  # tiny chunks: several per step
-    return opt
+    """foreach: the chunked product path; else the per-parameter reference."""
+    kind = ScaledAdam if foreach else ReferenceScaledAdam
+    return kind(list(model.named_parameters()), lr=0.05, clipping_scale=2.0,
+                clipping_update_period=4, size_update_period=2,
+                chunk_mb=1e-4)  # tiny chunks: several per step
 
 
 def _assert_same_state(m1, o1, m2, o2, **tol) -> None:
@@ -95,12 +97,12 @@ def test_scaled_adam_foreach_resumes_in_the_middle_of_a_step(nth):
     try:
         for step in range(5):
             _grads(model, step)
-            faults.begin_attempt(step, 0)
+            faults.phases.begin_attempt(step, 0)
             try:
                 opt.step()
             except torch.OutOfMemoryError:
                 assert step == 3 and opt.resuming
-                units_done.append(opt._progress["unit"])
+                units_done.append(opt.progress.unit)
                 opt.step()  # finish where it stopped
     finally:
         faults.stop()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.train.scaled_adam_reference import ReferenceScaledAdam
 from valle.train.optim import Adam, ScaledAdam, build_optimizer
 from valle.train.resilience.faults import FaultInjector, parse_fault
 
@@ -24,14 +25,14 @@ def _grads(model: nn.Module, step: int) -> None:
 
 
 def _make(name: str, model: nn.Module):
-    # "<name>-loop": ScaledAdam's per-parameter path; "<name>-foreach": Adam without the
+    # "<name>-loop": the per-parameter reference ScaledAdam (tests/train); "<name>-foreach": Adam without the
     # fused kernel. The plain names take the default (foreach ScaledAdam, fused Adam).
     name, _, variant = name.partition("-")
     if name == "ScaledAdam":
         # A short clipping period so the threshold update runs inside the steps too.
-        return ScaledAdam(list(model.named_parameters()), lr=0.05, clipping_scale=2.0,
-                          clipping_update_period=2, size_update_period=2,
-                          foreach=variant != "loop", chunk_mb=1e-4)
+        kind = ReferenceScaledAdam if variant == "loop" else ScaledAdam
+        return kind(list(model.named_parameters()), lr=0.05, clipping_scale=2.0,
+                    clipping_update_period=2, size_update_period=2, chunk_mb=1e-4)
     opt = build_optimizer(name, list(model.named_parameters()), base_lr=0.05, weight_decay=0.1)
     opt.chunk_bytes = 100  # several chunks per step: an OOM can land between commits
     if variant == "foreach":
@@ -55,7 +56,7 @@ def _allocations_of_one_step(name: str) -> int:
         opt.step()
     counter = FaultInjector([], 0)
     counter.count_allocations()
-    counter.begin_attempt(3, 0)
+    counter.phases.begin_attempt(3, 0)
     counter.start()
     try:
         _grads(model, 3)
@@ -87,7 +88,7 @@ def test_an_oom_at_any_allocation_of_step_then_a_retry_equals_a_clean_step(name)
         faults.start()
         try:
             for step in range(5):
-                faults.begin_attempt(step, 0)
+                faults.phases.begin_attempt(step, 0)
                 _grads(model, step)
                 try:
                     opt.step()

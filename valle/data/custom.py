@@ -363,13 +363,21 @@ def split_at_silences(piece: Segment, silences: Sequence[Segment], max_duration:
 
 
 def load_for_vad(audio: Path) -> tuple[object, np.ndarray]:
-    """The lhotse Recording of a file and its first channel at ``VAD_RATE`` (what is tokenized:
-    cuts read channel 0 of a stereo file)."""
+    """The lhotse Recording of a file and its channels' mean at ``VAD_RATE``: what is
+    tokenized (a stereo file's cuts span both channels, and bin/tokenizer.py averages them)."""
     from lhotse import Recording
 
     recording = Recording.from_file(audio)
-    samples = recording.resample(VAD_RATE).load_audio(channels=0)
-    return recording, np.asarray(samples, dtype=np.float32).reshape(-1)
+    samples = np.asarray(recording.resample(VAD_RATE).load_audio(), dtype=np.float32)
+    return recording, samples.mean(axis=0)
+
+
+def all_channels(recording) -> int | list[int]:
+    """A supervision's channel that covers every channel of ``recording``: a stereo file's
+    speech is said on both, and its cuts load both (bin/tokenizer.py downmixes them to their
+    mean) rather than channel 0 alone, which may be the quieter or an empty one."""
+    channels = list(recording.channel_ids)
+    return channels if len(channels) > 1 else channels[0]
 
 
 # ----------------------------------------------------------------------------- one file
@@ -471,7 +479,7 @@ def prepare_item(item: SourceItem, language_of: Callable[[str], str], cfg: Prepa
         return None
     custom = {"normalized_text": item.normalized} if item.normalized else None
     sups = [SupervisionSegment(id=utt_id, recording_id=item.utt_id, start=round(p.start, 3),
-                               duration=round(p.duration, 3), channel=0, text=text, speaker=speaker,
+                               duration=round(p.duration, 3), channel=all_channels(recording), text=text, speaker=speaker,
                                language=language_of(speaker), custom=custom)
             for utt_id, p, speaker, text in utterances_of(item, recording, samples, cfg, report)]
     return PreparedItem(recording, sups) if sups else None
@@ -559,8 +567,8 @@ def transcribe_pending(manifest_dir: Path, prefix: str, transcribe: Callable[[np
     still = []
     for entry in tqdm(pending, desc="transcribe", unit="utt"):
         sup = entry["supervision"]
-        samples = Recording.from_dict(entry["recording"]).load_audio(
-            channels=0, offset=sup["start"], duration=sup["duration"]).reshape(-1)
+        samples = Recording.from_dict(entry["recording"]).load_audio(  # (channels, samples)
+            channels=sup["channel"], offset=sup["start"], duration=sup["duration"]).mean(axis=0)
         text = transcribe(samples, entry["recording"]["sampling_rate"], sup.get("language") or "")
         if text is None:
             still.append(entry)

@@ -155,27 +155,32 @@ def interleave(output: Path, inputs: list[Path]) -> list[int]:
     """Join the languages' train cuts so that every stretch of the output holds them in
     proportion to their sizes (deterministic; streaming, one cut per input in memory). The
     trainer shuffles a lazy manifest inside a buffer of --buffer-size cuts: concatenated,
-    the first hours of training would see English only. Returns the inputs' cut counts."""
+    the first hours of training would see English only. The output's extremes record is made
+    in the same pass. Returns the inputs' cut counts."""
     import heapq
 
-    from valle.data.recipe import _Writer
+    from valle.data.recipe import RecordOnTheWay, _Writer
 
     counts = [count_lines(p) for p in inputs]
     streams = [iter(read_jsonl(p)) for p in inputs]
     # Input i's k-th cut goes at position (k + 0.5) / n_i of the output; the heap merges them.
     heap = [(0.5 / n, i, 0) for i, n in enumerate(counts) if n]
     heapq.heapify(heap)
+    record = RecordOnTheWay(output)
     writer = _Writer(output)
     try:
         while heap:
             _, i, k = heapq.heappop(heap)
-            writer.write(next(streams[i]))
+            cut = next(streams[i])
+            writer.write(cut)
+            record.add(cut, inputs[i])
             if k + 1 < counts[i]:
                 heapq.heappush(heap, ((k + 1.5) / counts[i], i, k + 1))
     except BaseException:
         writer.discard()
         raise
     writer.finish()
+    record.save("interleave")
     print(f"interleave: {sum(counts)} cuts from {len(inputs)} manifest(s) ({', '.join(map(str, counts))}) -> {output}")
     return counts
 

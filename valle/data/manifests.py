@@ -131,9 +131,10 @@ class PartCuts:
                 report.add(sup.id, V.BAD_SEGMENT, f"segment {sup.start:.2f}-{sup.end:.2f}s lies outside "
                                                   f"recording {rec.id} ({rec.duration:.2f}s)")
                 continue
-            channel = sup.channel if isinstance(sup.channel, int) else sup.channel[0]
+            # a supervision over several channels (a stereo file's, egs/custom) keeps them all:
+            # its cut loads them, and bin/tokenizer.py tokenizes their mean
             duration = min(sup.duration, rec.duration - sup.start)
-            yield MonoCut(id=sup.id, start=sup.start, duration=duration, channel=channel, recording=rec,
+            yield MonoCut(id=sup.id, start=sup.start, duration=duration, channel=sup.channel, recording=rec,
                           supervisions=[fastcopy(sup, start=0.0, duration=duration)])
 
 

@@ -2,6 +2,7 @@
 
     python -m valle.data.recipe combine OUT IN [IN ...]     join parts; repeated cut ids dropped
     python -m valle.data.recipe split ALL --dev N --test M --prefix P --output-dir D [--rest train]
+        (both write each output's extremes record next to it: {prefix}_extremes_{part}.json)
     python -m valle.data.recipe describe CUTS [CUTS ...]     counts, hours, durations, text tokens, languages
     python -m valle.data.recipe shar CUTS OUT_DIR [--shard-size 1000]
     python -m valle.data.recipe merge-stats OUT IN [IN ...]  several corpora's text stats as one dataset's
@@ -61,29 +62,88 @@ class _Writer:
         self.tmp.unlink(missing_ok=True)
 
 
+class _SeenIds:
+    """The cut ids written so far, in an SQLite table next to the output (deleted after): flat
+    memory at any corpus size (Libriheavy large's 10M ids are ~1 GB as a Python set). A disk
+    set, not a per-part check: parts are disjoint only by how they were made, and a repeated
+    cut would train twice per epoch, so every id is checked against every other, exactly."""
+
+    def __init__(self, near: Path) -> None:
+        import sqlite3
+
+        self.path = Path(near).with_name(f".ids.{os.getpid()}.{Path(near).name}.sqlite")
+        self.path.unlink(missing_ok=True)
+        self.db = sqlite3.connect(self.path, isolation_level=None)
+        # a scratch table: no journal, no fsync; SQLite's page cache (2 MB) bounds the memory
+        self.db.execute("PRAGMA journal_mode=OFF")
+        self.db.execute("PRAGMA synchronous=OFF")
+        self.db.execute("CREATE TABLE ids (id TEXT PRIMARY KEY) WITHOUT ROWID")
+        self.db.execute("BEGIN")
+        self.count = 0
+
+    def add(self, cut_id: str) -> bool:
+        """True when ``cut_id`` is new (and now recorded), False when it was seen before."""
+        new = self.db.execute("INSERT OR IGNORE INTO ids VALUES (?)", (cut_id,)).rowcount == 1
+        self.count += new
+        return new
+
+    def close(self) -> None:
+        self.db.close()
+        self.path.unlink(missing_ok=True)
+
+
+class RecordOnTheWay:
+    """The extremes record of a manifest being written, built from the cuts as they pass
+    (bounded memory); none, said once, for a name the trainer never reads."""
+
+    def __init__(self, output: Path) -> None:
+        self.output = Path(output)
+        self.target = extremes_path_of(output)
+        if self.target is None:
+            print(f"no extremes record: {output} is not named {{prefix}}_cuts_{{part}}.jsonl.gz")
+        self.record = Extremes()
+
+    def add(self, cut: dict, source: Path) -> None:
+        if self.target is None:
+            return
+        try:
+            self.record.add_dict(cut)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ManifestError(f"{source}: cut {cut.get('id')!r} has no {e} for the extremes record "
+                                f"({type(e).__name__}); is it a tokenized cut?") from None
+
+    def save(self, step: str) -> None:
+        if self.target is not None:
+            self.record.write(self.target)
+            print(f"{step}: extremes record of {self.output.name} ({self.record.count} cuts) -> {self.target}")
+
+
 def combine(output: Path, inputs: list[Path]) -> V.ValidationReport:
     """Concatenate cut manifests (one input is fine). A cut id seen before is dropped and
-    reported: a duplicated cut would train twice per epoch."""
-    report, seen, record = V.ValidationReport(), set(), Extremes()
-    writer = _Writer(output)
+    reported: a duplicated cut would train twice per epoch. The output's extremes record is
+    made in the same pass (it is correct with dropped duplicates, where merging the inputs'
+    records would count them twice, and it costs no extra read)."""
+    report, record = V.ValidationReport(), RecordOnTheWay(output)
+    writer, seen = _Writer(output), _SeenIds(output)
     try:
         for path in inputs:
             for cut in _iter(path):
                 report.checked += 1
-                if cut["id"] in seen:
+                if not seen.add(cut["id"]):
                     report.add(cut["id"], V.DUPLICATE_ID, f"repeated in {path.name} (the first is kept)")
                     continue
-                seen.add(cut["id"])
                 writer.write(cut)
-                record.add_dict(cut)
+                record.add(cut, path)
     except BaseException:
         writer.discard()
         raise
+    finally:
+        seen.close()
     writer.finish()
-    _write_extremes(output, record)
+    record.save("combine")
     for e in report.entries:
         print(f"combine: dropped {e.cut_id}: {e.reason} ({e.detail})")
-    print(f"combine: {len(seen)} cuts from {len(inputs)} manifest(s) -> {output}; {report.summary()}")
+    print(f"combine: {seen.count} cuts from {len(inputs)} manifest(s) -> {output}; {report.summary()}")
     return report
 
 
@@ -91,18 +151,18 @@ def split(all_path: Path, output_dir: Path, prefix: str, num_dev: int, num_test:
           rest: str = "train") -> dict[str, int]:
     """First ``num_dev`` cuts -> dev, next ``num_test`` -> test, the rest -> ``rest`` (train;
     a corpus whose only held-out part is "test", AISHELL-3, takes its dev from it with
-    ``--test 0 --rest test``)."""
+    ``--test 0 --rest test``). Each part's extremes record is made in the same pass."""
     counts = {"dev": 0, "test": 0, rest: 0}
     paths = {k: output_dir / f"{prefix}_cuts_{k}.jsonl.gz" for k in counts}
     if Path(all_path).resolve() in {p.resolve() for p in paths.values()}:
         raise ManifestError(f"{all_path}: split would overwrite its own input (choose another --prefix)")
+    records = {k: RecordOnTheWay(p) for k, p in paths.items()}
     writers = {k: _Writer(p) for k, p in paths.items()}
-    records = {k: Extremes() for k in paths}
     try:
         for i, cut in enumerate(_iter(all_path)):
             part = "dev" if i < num_dev else "test" if i < num_dev + num_test else rest
             writers[part].write(cut)
-            records[part].add_dict(cut)
+            records[part].add(cut, all_path)
             counts[part] += 1
         if counts[rest] == 0:
             raise ManifestError(f"{all_path}: only {sum(counts.values())} cuts, cannot hold out "
@@ -111,19 +171,12 @@ def split(all_path: Path, output_dir: Path, prefix: str, num_dev: int, num_test:
         for w in writers.values():
             w.discard()
         raise
-    for part, w in writers.items():
+    for w in writers.values():
         w.finish()
-        _write_extremes(paths[part], records[part])
+    for record in records.values():
+        record.save("split")
     print(f"split: {counts} -> {output_dir}")
     return counts
-
-
-def _write_extremes(cuts_path: Path, record: Extremes) -> None:
-    """The cuts file's extremes record (what the trainer's start-up reads instead of a pass
-    over it), written after the cuts file as bin/tokenizer.py writes it."""
-    path = extremes_path_of(cuts_path)
-    if path is not None:
-        record.write(path)
 
 
 def describe(path: Path) -> dict:

@@ -8,6 +8,8 @@ Only letters count: digits, punctuation and spaces are read in any script.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import unicodedata
 from collections import Counter
 
@@ -20,7 +22,7 @@ LATIN_SCRIPT_LANGUAGES = {
 }  # fmt: skip
 # Languages of other scripts, by their base code (what precedes the first "-").
 _OTHER_SCRIPT_LANGUAGES = {
-    "Han": ("cmn", "yue", "hak", "ja", "ko"),
+    "Han": ("cmn", "yue", "hak", "ko"),  # and ja through the kanji reader (below)
     "Kana": ("ja",),
     "Hangul": ("ko",),
     "Cyrillic": ("ru", "uk", "be", "bg", "mk", "sr", "kk", "ky", "tt", "ba", "cv"),
@@ -50,6 +52,15 @@ _NAME_TO_SCRIPT = {"CJK": "Han", "IDEOGRAPHIC": "Han", "HIRAGANA": "Kana", "KATA
                    "KATAKANA-HIRAGANA": "Kana"}  # fmt: skip
 _WIDTH_PREFIXES = ("FULLWIDTH ", "HALFWIDTH ")
 _BASE_ALIASES = {"zh": "cmn"}  # a code that is not espeak's own but names one of its voices
+# eSpeak's ja voice reads kana only; kanji are read when this package turns them into kana
+# first (valle.data.japanese), so Han counts as a ja script only where it is installed.
+KANJI_READER = "pykakasi"
+KANJI_READER_HINT = f"install {KANJI_READER} (pip install -e '.[ja]') for ja to read kanji as kana"
+
+
+@functools.cache
+def kanji_reader_available() -> bool:
+    return importlib.util.find_spec(KANJI_READER) is not None
 
 
 def base_language(language: str) -> str:
@@ -82,6 +93,8 @@ def language_scripts(language: str) -> frozenset[str] | None:
         return frozenset({"Latin"})
     base = _BASE_ALIASES.get(parts[0], parts[0])
     found = {script for script, langs in _OTHER_SCRIPT_LANGUAGES.items() if base in langs}
+    if base == "ja" and kanji_reader_available():
+        found.add("Han")
     if base in LATIN_SCRIPT_LANGUAGES or base in _EXTRA_LATIN:
         found.add("Latin")
     return frozenset(found) or None
@@ -94,7 +107,10 @@ def languages_for_script(script: str, among: list[str] | None = None) -> list[st
         return [lang for lang in among if script in (language_scripts(lang) or ())]
     if script == "Latin":
         return ["en-us", "en-gb", "fr-fr", "de", "es", "it", "pt"]
-    return list(_OTHER_SCRIPT_LANGUAGES.get(script, ()))
+    common = list(_OTHER_SCRIPT_LANGUAGES.get(script, ()))
+    if script == "Han" and "Han" in language_scripts("ja"):
+        common.insert(common.index("ko"), "ja")
+    return common
 
 
 def script_runs(text: str) -> list[tuple[str | None, str]]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from valle.data.scripts import base_language, kanji_reader_available
 from valle.data.symbols import SymbolTable
 
 logger = logging.getLogger(__name__)
@@ -169,6 +170,10 @@ class TextTokenizer:
 
         language = language or self.language
         text = normalize_text(text)
+        if base_language(language) == "ja" and kanji_reader_available():
+            from valle.data.japanese import kanji_to_kana
+
+            text = kanji_to_kana(text)  # the ja voice reads kana only (valle/data/japanese.py)
         pieces = segment_text(text)
         segments = [t for kind, t in pieces if kind == "text"]
         if not segments:

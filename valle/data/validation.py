@@ -16,7 +16,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from valle.data.scripts import LATIN_SCRIPT_LANGUAGES, base_language
+from valle.data.scripts import (
+    KANJI_READER_HINT,
+    LATIN_SCRIPT_LANGUAGES,
+    base_language,
+    language_scripts,
+    text_scripts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +206,15 @@ def foreign_letters(text: str, language: str) -> list[str]:
     return bad
 
 
+def _kanji_hint(text: str, language: str) -> str:
+    """Why a Japanese text with kanji made the ja voice switch, where the reader is missing."""
+    if base_language(language) != "ja" or "Han" not in text_scripts(text):
+        return ""
+    if "Han" in (language_scripts(language) or ()):
+        return ""
+    return f" (kanji: {KANJI_READER_HINT})"
+
+
 def is_phone(symbol: str) -> bool:
     from valle.data.text import PUNCTUATION, WORD_SEP
 
@@ -220,7 +235,8 @@ def check_text_symbols(
         sample = "".join(dict.fromkeys(foreign))[:10]
         return FOREIGN_SCRIPT, f"{len(foreign)} letters the {language} voice cannot read ({sample!r})"
     if switches:
-        return LANGUAGE_SWITCH, f"espeak switched language to {sorted(set(switches))} under {language}"
+        return LANGUAGE_SWITCH, (f"espeak switched language to {sorted(set(switches))} under "
+                                 f"{language}{_kanji_hint(text, language)}")
     phones = sum(1 for s in symbols if is_phone(s))
     if phones == 0:
         return EMPTY_TEXT, f"text {text[:40]!r} phonemizes to no phonemes"

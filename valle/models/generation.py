@@ -29,6 +29,7 @@ from .layout import (
     PrefixMode,
     ar_prompt_layout,
     generated_frames,
+    language_ids,
     lengths_to_valid,
     nar_text,
     pack_sequences,
@@ -165,7 +166,7 @@ def synthesize(
     if prompt_lens is None:
         prompt_lens = torch.full((bsz,), p_max, dtype=torch.long, device=device)
     prompt_codes = prompt_codes[..., : model.num_quantizers]
-    langs = model.language_ids(text_tokens, text_languages)
+    langs = language_ids(text_tokens, text_languages, model.num_languages)
     mode = PrefixMode(model.prefix_mode)
     nar_tokens, nar_lens = nar_text(text_tokens, text_tokens_lens, prompt_text_lens, mode)
     nar_langs = None
@@ -252,7 +253,7 @@ def continual(
     idx = (prompt_lens[:, None] + torch.arange(g_max, device=device)).clamp(max=t_max - 1)
     gen0 = audio_features[..., 0].gather(1, idx)
     gen0 = gen0.masked_fill(~lengths_to_valid(gen_lens, g_max), NUM_AUDIO_TOKENS)
-    langs = model.language_ids(text_tokens, text_languages)
+    langs = language_ids(text_tokens, text_languages, model.num_languages)
     codes = nar_generate(
         model, text_tokens, text_tokens_lens, audio_features, prompt_lens, gen0, gen_lens, langs,
         code_vectors=code_vectors,

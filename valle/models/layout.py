@@ -49,6 +49,55 @@ class PrefixMode(IntEnum):
         return self in (PrefixMode.RANDOM_SEGMENT, PrefixMode.OTHER_UTTERANCE)
 
 
+def language_ids(text: torch.Tensor, languages: torch.Tensor | None,
+                 num_languages: int) -> torch.Tensor | None:
+    """Per-token language ids (B, S) from (B,) or (B, S); None for a model without them
+    (``num_languages`` 0)."""
+    if num_languages == 0:
+        if languages is not None:
+            raise ValueError("text_languages given to a model built with --num-languages 0")
+        return None
+    if languages is None:
+        raise ValueError(
+            f"this model has --num-languages {num_languages}: pass text_languages "
+            "(the language id of each row, or of each text token)"
+        )
+    languages = languages.to(device=text.device, dtype=torch.long)
+    if languages.dim() == 1:
+        languages = languages[:, None].expand(-1, text.shape[1])
+    if languages.shape != text.shape:
+        raise ValueError(
+            f"text_languages {tuple(languages.shape)} must be (B,) or like the text {tuple(text.shape)}"
+        )
+    if int(languages.min()) < 0 or int(languages.max()) >= num_languages:
+        raise ValueError(
+            f"language ids must be in [0, {num_languages}), got {languages.unique().tolist()}"
+        )
+    return languages
+
+
+def classes_to_ids(logits: torch.Tensor, codebook_size: int) -> torch.Tensor:
+    """AR logits over K codes + EOS laid out by id, as decoding reads them: 1025 wide,
+    EOS at 1024, codes K..1023 at -inf."""
+    k = codebook_size
+    if k == NUM_AUDIO_TOKENS:
+        return logits
+    full = logits.new_full((*logits.shape[:-1], NUM_AUDIO_TOKENS + 1), float("-inf"))
+    full[..., :k] = logits[..., :k]
+    full[..., NUM_AUDIO_TOKENS] = logits[..., k]
+    return full
+
+
+def check_training_inputs(text: torch.Tensor, audio: torch.Tensor, num_quantizers: int) -> None:
+    """Text (B, S) and audio codes (B, T, Q) with at least the model's Q codebooks."""
+    if text.dim() != 2 or audio.dim() != 3:
+        raise ValueError(
+            f"expected text (B, S) and audio (B, T, Q), got {tuple(text.shape)} and {tuple(audio.shape)}"
+        )
+    if audio.shape[-1] < num_quantizers:
+        raise ValueError(f"audio has {audio.shape[-1]} codebooks, the model needs {num_quantizers}")
+
+
 def lengths_to_valid(lens: torch.Tensor, max_len: int) -> torch.Tensor:
     """(B, max_len) bool: column < the row's length."""
     return torch.arange(max_len, device=lens.device)[None, :] < lens[:, None]

@@ -18,7 +18,8 @@ handled by key masks and per-row positions, never by per-row Python loops.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -29,7 +30,13 @@ from torch import nn
 from . import generation
 from .config import ModelConfig
 from .embedding import AudioPrenet, SinePositionalEncoding, TextPrenet
-from .layout import NUM_AUDIO_TOKENS, lengths_to_valid
+from .layout import (
+    NUM_AUDIO_TOKENS,
+    check_training_inputs,
+    classes_to_ids,
+    language_ids,
+    lengths_to_valid,
+)
 from .losses import GuidedAttention, ar_loss, nar_loss
 from .transformer import LayerCache, TransformerStack, key_padding_mask, prefix_causal_mask
 
@@ -64,9 +71,6 @@ class _VALLEBase(nn.Module):
         nar_heads = max(1, int(c.nhead * c.scale_factor))
         nar_layers = max(1, int(c.num_decoder_layers * c.scale_factor))
         self.ar_dim, self.nar_dim = d, nar_d
-        # Entered around the NAR forward only: the trainer sets it to hold its NAR
-        # backward reserve there (valle.train.resilience.memory.BackwardReserve).
-        self.nar_forward_context = nullcontext
         # Codebook 0's codes are 0..K-1. The AR's classes are those K codes and EOS (class K;
         # BOS is row K+1 of the input table): a codec whose first codebook is small (the demo's
         # mel-rvq, 128 codes) then costs a K+1-wide head, not 1025 (docs/inference.md). Outside
@@ -155,35 +159,8 @@ class _VALLEBase(nn.Module):
         return [(n, p) for n, p in named if n.startswith(prefix)]
 
     # --------------------------------------------------------------- embedding
-    def language_ids(
-        self, text: torch.Tensor, languages: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """Per-token language ids (B, S) from (B,) or (B, S); None for a model without them."""
-        if self.num_languages == 0:
-            if languages is not None:
-                raise ValueError("text_languages given to a model built with --num-languages 0")
-            return None
-        if languages is None:
-            raise ValueError(
-                f"this model has --num-languages {self.num_languages}: pass text_languages "
-                "(the language id of each row, or of each text token)"
-            )
-        languages = languages.to(device=text.device, dtype=torch.long)
-        if languages.dim() == 1:
-            languages = languages[:, None].expand(-1, text.shape[1])
-        if languages.shape != text.shape:
-            raise ValueError(
-                f"text_languages {tuple(languages.shape)} must be (B,) or like the text {tuple(text.shape)}"
-            )
-        if int(languages.min()) < 0 or int(languages.max()) >= self.num_languages:
-            raise ValueError(
-                f"language ids must be in [0, {self.num_languages}), got {languages.unique().tolist()}"
-            )
-        return languages
-
-    def ar_embed_text(
-        self, text: torch.Tensor, text_valid: torch.Tensor, languages: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def ar_embed_text(self, text: torch.Tensor, text_valid: torch.Tensor,
+                      languages: torch.Tensor | None = None) -> torch.Tensor:
         x = self.ar_text_embedding(text)
         if self.ar_language_embedding is not None and languages is not None:
             x = x + self.ar_language_embedding(languages)
@@ -225,16 +202,10 @@ class _VALLEBase(nn.Module):
             logits = F.linear(h * self.ar_dim**-0.5, weight.reshape(g * (k + 1), -1))
         if g > 1:
             logits = logits.unflatten(-1, (g, k + 1))
-        if not by_id or k == NUM_AUDIO_TOKENS:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], NUM_AUDIO_TOKENS + 1), float("-inf"))
-        full[..., :k] = logits[..., :k]
-        full[..., NUM_AUDIO_TOKENS] = logits[..., k]
-        return full
+        return classes_to_ids(logits, k) if by_id else logits
 
-    def nar_embed_text(
-        self, text: torch.Tensor, languages: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def nar_embed_text(self, text: torch.Tensor,
+                       languages: torch.Tensor | None = None) -> torch.Tensor:
         pos = torch.arange(text.shape[1], device=text.device)
         x = self.nar_text_embedding(text)
         if self.nar_language_embedding is not None and languages is not None:
@@ -315,20 +286,23 @@ class _VALLEBase(nn.Module):
         prompt_features: torch.Tensor | None = None,
         prompt_features_lens: torch.Tensor | None = None,
         text_languages: torch.Tensor | None = None,
+        nar_context: Callable[[], AbstractContextManager] = nullcontext,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Summed cross entropy (AR + NAR) and detached sum metrics for this batch.
 
         ``text_languages``: language ids (B,) or (B, S), required when --num-languages > 0.
+        ``nar_context``: entered around the NAR forward only; the trainer holds its NAR
+        backward reserve there (valle.train.resilience.memory.BackwardReserve).
         """
         if train_stage not in (0, 1, 2):
             raise ValueError(f"train_stage must be 0, 1 or 2, got {train_stage}")
-        self._check_inputs(text_tokens, audio_features)
+        check_training_inputs(text_tokens, audio_features, self.num_quantizers)
         zero = torch.zeros((), device=audio_features.device)
         loss = zero
         metrics = {k: zero for k in ("ar_loss", "nar_loss", "ar_top10_correct", "ar_frames",
                                      "nar_top10_correct", "nar_frames")}  # fmt: skip
         text_valid = lengths_to_valid(text_tokens_lens, text_tokens.shape[1])
-        langs = self.language_ids(text_tokens, text_languages)
+        langs = language_ids(text_tokens, text_languages, self.num_languages)
         if train_stage in (0, 1):
             ar, correct, frames, guided = ar_loss(
                 self, text_tokens, text_valid, audio_features[..., 0], audio_features_lens, langs
@@ -337,7 +311,7 @@ class _VALLEBase(nn.Module):
             loss = loss + ar + (guided if guided is not None else 0.0)
             metrics.update(ar_loss=ar.detach(), ar_top10_correct=correct, ar_frames=frames)
         if train_stage in (0, 2) and self.num_quantizers > 1:
-            with self.nar_forward_context():
+            with nar_context():
                 nar, correct, frames = nar_loss(
                     self, text_tokens, text_valid, audio_features, audio_features_lens,
                     sample_seeds, prompt_features, prompt_features_lens, langs,
@@ -345,16 +319,6 @@ class _VALLEBase(nn.Module):
             loss = loss + nar
             metrics.update(nar_loss=nar.detach(), nar_top10_correct=correct, nar_frames=frames)
         return loss, metrics
-
-    def _check_inputs(self, text: torch.Tensor, audio: torch.Tensor) -> None:
-        if text.dim() != 2 or audio.dim() != 3:
-            raise ValueError(
-                f"expected text (B, S) and audio (B, T, Q), got {tuple(text.shape)} and {tuple(audio.shape)}"
-            )
-        if audio.shape[-1] < self.num_quantizers:
-            raise ValueError(
-                f"audio has {audio.shape[-1]} codebooks, the model needs {self.num_quantizers}"
-            )
 
     # --------------------------------------------------------------- inference
     @torch.no_grad()

@@ -176,7 +176,7 @@ def release_failed_backward(stepper) -> None:
     """A backward that raised leaves its pending gradient buffers with the autograd engine
     until the next backward runs (measured: 14 of 20 MiB of a tiny model's step stayed
     live); a one-element backward on the host releases them before the next probe."""
-    with stepper.faults.host_work():
+    with stepper.phases.host_work():
         torch.ones(1, requires_grad=True).sum().backward()
 
 
@@ -409,7 +409,7 @@ def choose_batch_budget(run, pending: Pending) -> Any:
     headroom = headroom_of(cfg, meter)
     reserve = stepper.reserve.nbytes
     limit = usable_bytes(meter.budget_bytes, reserve, headroom)
-    with meter.active(), stepper.faults.phase_scope("scan"):
+    with meter.active(), stepper.phases.phase_scope("scan"):
         choice = search_budget(stepper, meter, source, limit)
     agreed = agree(stepper, choice.budget)
     if cfg.synthetic_data:

@@ -290,7 +290,7 @@ def attach_compiler(step: Any, watchdog: Pausable | None, pad_multiple: int,
                                 eager=allocation_injector)
     if watchdog is not None:
         compiler.listeners.append(watchdog)
-    step.wrap_forward = compiler.wrap
+    step.settings.wrap_forward = compiler.wrap
     return compiler
 
 

@@ -124,10 +124,9 @@ def train(cfg: TrainConfig) -> TrainSummary:
     preemption.install()
     ignore_file_size_signal()
     try:
-        with faults.phase_scope("startup"):
+        with faults.phases.phase_scope("startup"):
             run = build_run_agreed(cfg, ctx, faults)
         run.preemption = preemption
-        run.stepper.stop_requested = preemption.requested
         try:
             summary = train_epochs(run)
         finally:
@@ -169,16 +168,18 @@ def train_epochs(run: Run) -> TrainSummary:
     for epoch in range(run.epoch, cfg.num_epochs + 1):
         run.epoch = epoch
         account = EpochAccount()
-        with run.stepper.faults.host_work():
+        with run.stepper.phases.host_work():
             batches = run.data.train_batches(epoch)
         while True:
-            with run.stepper.faults.host_work():  # data loading: host memory
+            with run.stepper.phases.host_work():  # data loading: host memory
                 batch = draw(batches, cfg.accumulate_grad_steps)
                 unreadable = run.data.take_unreadable()
                 note_unreadable(run, account, unreadable)
             run.scheduler.step_batch(run.step)
             with run.watchdog.step(run.step):
-                result = run.stepper.run(run.step, batch, initial_split=cfg.accumulate_grad_steps)
+                result = run.stepper.run(run.step, batch, initial_split=cfg.accumulate_grad_steps,
+                                         stop_requested=run.preemption.requested,
+                                         unreadable=len(unreadable))
             account.add(result)
             check_unreadable(run, result)
             stopping = stopping or result.stop_requested
@@ -278,7 +279,6 @@ class UnreadableDataError(RuntimeError):
 def note_unreadable(run: Run, account: EpochAccount, entries: list[dict[str, str]]) -> None:
     """Report each unreadable cut (id, file, error), log it to unreadable-rank<R>.jsonl,
     count it as drawn and skipped; the step's vote tells every rank how many there were."""
-    run.stepper.unreadable_cuts = len(entries)
     if not entries:
         return
     account.add_unreadable(entries)
@@ -315,7 +315,7 @@ def validate(run: Run) -> float | None:
     """The validation loss, logged and in TensorBoard (None if a preemption signal cut it
     short on some rank). Each rank runs its own shard without collectives; one vote at
     the end."""
-    with run.stepper.faults.host_work():
+    with run.stepper.phases.host_work():
         batches = run.preemption.until_requested(run.data.valid_batches())
     result = run.stepper.validate(batches, cut_short=run.preemption.requested)
     values = MetricsTracker({**result.metrics, "loss": result.loss * result.frames,
@@ -370,7 +370,7 @@ def log_progress(run: Run, totals: MetricsTracker, meter: ThroughputMeter) -> No
     values = totals.normalized()
     lr = run.scheduler.get_last_lr()[0]
     scale = grad_scale(run)
-    with run.stepper.faults.host_work():  # the sampler's length: host work
+    with run.stepper.phases.host_work():  # the sampler's length: host work
         hint = run.data.steps_hint(run.cfg.num_epochs)
     total = run.cfg.max_steps or hint or (
         run.steps_per_epoch * run.cfg.num_epochs if run.steps_per_epoch else 0)
@@ -407,7 +407,7 @@ def log_trained_cuts(run: Run, result: StepResult) -> None:
 
 def close_epoch(run: Run, epoch: int, account: EpochAccount) -> dict[str, Any]:
     """Per-epoch summary across ranks: cuts drawn = trained + quarantined + skipped."""
-    with run.stepper.faults.phase_scope("epoch_end"):
+    with run.stepper.phases.phase_scope("epoch_end"):
         counts = run.stepper.reduce_counts([account.drawn, account.trained, len(account.quarantined),
                                             len(account.skipped), account.ooms])
     drawn, trained, quarantined, skipped, ooms = (int(x) for x in counts)

@@ -33,6 +33,8 @@ from torch.optim import Optimizer
 __all__ = [
     "ScaledAdam",
     "Adam",
+    "ResumableUpdate",
+    "UpdateProgress",
     "build_optimizer",
     "clip_grad_norm_",
     "scale_and_clip_",
@@ -58,7 +60,41 @@ def _lower_median(x: Tensor) -> Tensor:
     return torch.where(count > 0, med, torch.full_like(med, float("nan")))
 
 
-class ScaledAdam(Optimizer):
+@dataclass
+class UpdateProgress:
+    """Where an interrupted step() resumes: the parameter group and the unit (chunk)
+    in it whose update was not committed yet."""
+
+    group: int = 0
+    unit: int = 0
+    factor: Tensor | None = None  # ScaledAdam: this group's clipping factor, once computed
+    factor_ready: bool = False
+
+
+class ResumableUpdate:
+    """An optimizer whose step() commits chunk by chunk and records how far it got: after
+    an out-of-memory error part-way, calling step() again finishes the update with the
+    result of one clean call. `reset_update()` forgets a half-done step (its state is
+    then repaired from another rank)."""
+
+    progress: UpdateProgress | None = None
+
+    def begin_update(self) -> UpdateProgress:
+        """The progress of the step in flight: a new one, or the interrupted one's."""
+        if self.progress is None:
+            self.progress = UpdateProgress()
+        return self.progress
+
+    def reset_update(self) -> None:
+        self.progress = None
+
+    @property
+    def resuming(self) -> bool:
+        """True after an error part-way through step(): the next step() finishes it."""
+        return self.progress is not None
+
+
+class ScaledAdam(ResumableUpdate, Optimizer):
     """Adam whose update is proportional to each parameter's RMS.
 
     Args:
@@ -92,7 +128,6 @@ class ScaledAdam(Optimizer):
         scalar_max: float = 10.0,
         size_update_period: int = 4,
         clipping_update_period: int = 100,
-        foreach: bool = True,
         chunk_mb: float = 64.0,
     ) -> None:
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
@@ -112,11 +147,10 @@ class ScaledAdam(Optimizer):
             clipping_update_period=clipping_update_period,
         )
         super().__init__(params, defaults)
-        self._progress: dict | None = None  # where an interrupted step() resumes
-        # foreach: the tensor parameters of a group are updated together, in chunks of
-        # about chunk_mb, with multi-tensor kernels (a few launches per chunk instead of
-        # ~20 per parameter); False: the per-parameter reference implementation.
-        self.foreach = foreach
+        # The tensor parameters of a group are updated together, in chunks of about
+        # chunk_mb, with multi-tensor kernels (a few launches per chunk instead of ~20
+        # per parameter). The per-parameter reference the tests compare against is
+        # tests/train/scaled_adam_reference.py.
         self.chunk_bytes = int(chunk_mb * (1 << 20))
 
     # ----------------------------------------------------------------- state
@@ -192,8 +226,7 @@ class ScaledAdam(Optimizer):
 
         # A gradient matters in proportion to the parameter's size, since the update is
         # relative to it.
-        weighted = (self._weighted_norms_foreach if self.foreach else self._weighted_norms)(
-            params, scalar_lr_scale)
+        weighted = self._weighted_norms(params, scalar_lr_scale)
         if not weighted:
             return None
         # Computed out of place, then committed with in-place copies (which allocate
@@ -223,19 +256,8 @@ class ScaledAdam(Optimizer):
         return first["clip_factor"]
 
     def _weighted_norms(self, params: list[Tensor], scalar_lr_scale: float) -> list[Tensor]:
-        """Each gradient's norm times its parameter's RMS (scalars: scalar_lr_scale)."""
-        weighted = []
-        for p in params:
-            if p.grad is None:
-                continue
-            norm = torch.linalg.vector_norm(p.grad, dtype=torch.float32)
-            weighted.append(norm * (self.state[p]["param_rms"] if p.numel() > 1
-                                    else scalar_lr_scale))
-        return weighted
-
-    def _weighted_norms_foreach(self, params: list[Tensor],
-                                scalar_lr_scale: float) -> list[Tensor]:
-        """_weighted_norms with one multi-tensor norm and one multiply."""
+        """Each gradient's norm times its parameter's RMS (scalars: scalar_lr_scale), with
+        one multi-tensor norm and one multiply."""
         with_grad = [p for p in params if p.grad is not None]
         if not with_grad:
             return []
@@ -277,30 +299,24 @@ class ScaledAdam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        progress = self._progress = self._progress or {"group": 0, "unit": 0}
-        for gi in range(progress["group"], len(self.param_groups)):
+        progress = self.begin_update()
+        for gi in range(progress.group, len(self.param_groups)):
             group = self.param_groups[gi]
             self._init_group_state(group)
-            if "factor" not in progress:
-                progress["factor"] = self._clipping_factor(group)
+            if not progress.factor_ready:
+                progress.factor, progress.factor_ready = self._clipping_factor(group), True
             units = self._units(group["params"])
-            for ui in range(progress["unit"], len(units)):
-                unit = units[ui]
-                if len(unit) == 1 and (not self.foreach or unit[0].numel() == 1):
-                    self._step_param(group, unit[0], self.state[unit[0]], progress["factor"])
-                else:
-                    self._step_chunk(group, unit, progress["factor"])
-                progress["unit"] = ui + 1
-            progress.update(group=gi + 1, unit=0)
-            progress.pop("factor")
-        self._progress = None
+            for ui in range(progress.unit, len(units)):
+                self._step_unit(group, units[ui], progress.factor)
+                progress.unit = ui + 1
+            progress.group, progress.unit = gi + 1, 0
+            progress.factor, progress.factor_ready = None, False
+        self.reset_update()
         return loss
 
     def _units(self, params: list[Tensor]) -> list[list[Tensor]]:
-        """What one commit covers: a single parameter (the per-parameter mode, and every
-        scalar), or a chunk of tensor parameters of one device/dtype/step (foreach)."""
-        if not self.foreach:
-            return [[p] for p in params]
+        """What one commit covers: a single scalar parameter, or a chunk of tensor
+        parameters of one device/dtype/step."""
         units: list[list[Tensor]] = []
         chunk: list[Tensor] = []
         size = 0
@@ -321,67 +337,43 @@ class ScaledAdam(Optimizer):
             units.append(chunk)
         return units
 
-    @property
-    def resuming(self) -> bool:
-        """True after an error part-way through step(): the next step() finishes it."""
-        return self._progress is not None
+    def _step_unit(self, group: dict, unit: list[Tensor], factor: Tensor | None) -> None:
+        if len(unit) == 1 and unit[0].numel() == 1:
+            self._step_scalar(group, unit[0], self.state[unit[0]], factor)
+        else:
+            self._step_chunk(group, unit, factor)
 
-    def _step_param(self, group: dict, p: Tensor, state: dict, factor: Tensor | None) -> None:
+    @staticmethod
+    def _fp32_grad(p: Tensor, factor: Tensor | None) -> Tensor:
+        """p's (clipped) fp32 gradient as a new tensor; p.grad (a view into the sync
+        buffer) is only read. No gradient this step: zero, which keeps every rank's
+        state identical (the momentum still decays and moves p)."""
         if p.grad is None:
-            # Not used this step: a zero gradient keeps every rank's state
-            # identical (the momentum still decays and moves p).
-            grad = torch.zeros_like(p, dtype=torch.float32)
-        elif p.grad.is_sparse:
+            return torch.zeros_like(p, dtype=torch.float32)
+        if p.grad.is_sparse:
             raise RuntimeError("ScaledAdam does not support sparse gradients")
-        elif factor is not None:
-            # A new tensor: p.grad itself (a view into the sync buffer) is untouched.
-            # nan_to_num: when the norm is not finite factor is 0 and inf*0 = nan.
-            grad = torch.nan_to_num_(p.grad.float() * factor, nan=0.0, posinf=0.0, neginf=0.0)
-        else:
-            grad = p.grad.float()
-
-        step = state["step"]
-        beta1 = group["betas"][0]
-        # Prepare: every new value out of place (this is where memory is allocated) ...
-        new: dict[str, Tensor] = {"delta": state["delta"] * beta1}
-        if p.numel() > 1:
-            period = group["size_update_period"]
-            new["scale_grads"] = state["scale_grads"].clone()
-            new["scale_grads"].select(0, step % period).copy_((p.float() * grad).sum())
-            rms = state["param_rms"]
-            if step % period == period - 1:
-                rms = new["param_rms"] = p.detach().float().pow(2).mean().sqrt()
-                if step > 0:
-                    self._size_update(group, p, state, new, rms)
-            new["exp_avg_sq"], update = self._tensor_update(group, grad, state, rms)
-            new["delta"].add_(update)
-            new_p = p + new["delta"].to(p.dtype)
-        else:
-            new["exp_avg_sq"], update = self._scalar_update(group, grad, state)
-            new["delta"].add_(update)
-            new_p = p.clamp(min=-group["scalar_max"], max=group["scalar_max"])
-            new_p.add_(new["delta"].to(p.dtype))
-        # ... commit: in-place copies only, which allocate nothing.
-        for key, value in new.items():
-            state[key].copy_(value)
-        p.copy_(new_p)
-        state["step"] = step + 1
-
-    def _chunk_grads(self, params: list[Tensor], factor: Tensor | None) -> list[Tensor]:
-        """The chunk's fp32 (clipped) gradients as views of one new flat buffer: the same
-        elementwise arithmetic as _step_param, in three kernels instead of 2-3 per
-        parameter; p.grad (a view into the sync buffer) is only read."""
-        flat = torch.cat([(p.grad if p.grad is not None
-                           else torch.zeros_like(p, dtype=torch.float32)).reshape(-1).float()
-                          for p in params])
         if factor is not None:
-            flat.mul_(factor)
-            # factor is 0 when the norm is not finite, and inf*0 = nan.
-            torch.nan_to_num_(flat, nan=0.0, posinf=0.0, neginf=0.0)
-        return [g.view_as(p) for g, p in zip(flat.split([p.numel() for p in params]), params)]
+            # nan_to_num: when the norm is not finite factor is 0 and inf*0 = nan.
+            return torch.nan_to_num_(p.grad.float() * factor, nan=0.0, posinf=0.0, neginf=0.0)
+        return p.grad.float()
+
+    def _step_scalar(self, group: dict, p: Tensor, state: dict, factor: Tensor | None) -> None:
+        """Plain Adam with the smaller scalar lr, p clamped to [-scalar_max, scalar_max]."""
+        grad = self._fp32_grad(p, factor)
+        # Prepare: every new value out of place (this is where memory is allocated) ...
+        delta = state["delta"] * group["betas"][0]
+        exp_avg_sq, update = self._scalar_update(group, grad, state)
+        delta.add_(update)
+        new_p = p.clamp(min=-group["scalar_max"], max=group["scalar_max"])
+        new_p.add_(delta.to(p.dtype))
+        # ... commit: in-place copies only, which allocate nothing.
+        state["delta"].copy_(delta)
+        state["exp_avg_sq"].copy_(exp_avg_sq)
+        p.copy_(new_p)
+        state["step"] = state["step"] + 1
 
     def _step_chunk(self, group: dict, params: list[Tensor], factor: Tensor | None) -> None:
-        """_step_param for a chunk of tensor parameters (all at the same step), with
+        """The update of a chunk of tensor parameters (all at the same step), with
         multi-tensor kernels; the per-parameter scalars (RMS, size statistics) are
         stacked into vectors. Prepared out of place, then committed without allocating."""
         if any(p.grad is not None and p.grad.is_sparse for p in params):
@@ -390,7 +382,7 @@ class ScaledAdam(Optimizer):
         step = states[0]["step"]
         beta1, beta2 = group["betas"]
         period = group["size_update_period"]
-        grads = self._chunk_grads(params, factor)
+        grads = _chunk_fp32_grads(params, factor)
         pf = [p.float() for p in params]  # p itself when fp32
         # Prepare: every new value out of place ...
         new_delta = torch._foreach_mul([s["delta"] for s in states], beta1)
@@ -404,7 +396,7 @@ class ScaledAdam(Optimizer):
             torch._foreach_mul_(norms, [p.numel() ** -0.5 for p in params])
             rms = new_rms = torch.stack(norms)
             if step > 0:
-                new_size = self._size_update_chunk(group, pf, states, scale_grads, rms, new_delta)
+                new_size = _size_update_chunk(group, pf, states, scale_grads, rms, new_delta)
         new_sq = torch._foreach_mul([s["exp_avg_sq"] for s in states], beta2)
         torch._foreach_addcmul_(new_sq, grads, grads, value=1 - beta2)
         bias_correction2 = 1 - beta2 ** (step + 1)
@@ -433,72 +425,6 @@ class ScaledAdam(Optimizer):
         for s, delta, sq in zip(states, new_delta, new_sq):
             s["delta"], s["exp_avg_sq"], s["step"] = delta, sq, step + 1
 
-    def _size_update_chunk(self, group: dict, pf: list[Tensor], states: list[dict],
-                           scale_grads: Tensor, param_rms: Tensor,
-                           new_delta: list[Tensor]) -> Tensor:
-        """_size_update for a chunk, on (n,) vectors; adds to new_delta in place and
-        returns the new scale_exp_avg_sq vector."""
-        beta1, beta2 = group["betas"]
-        size_lr = group["lr"] * group["scalar_lr_scale"]
-        period = scale_grads.shape[1]
-        beta2_corr = beta2**period
-        scale_exp_avg_sq = torch.stack([s["scale_exp_avg_sq"] for s in states]) * beta2_corr
-        scale_exp_avg_sq.add_(scale_grads.pow(2).mean(dim=1), alpha=1 - beta2_corr)
-        size_step = (states[0]["step"] + 1) // period
-        bias_correction2 = 1 - beta2_corr**size_step
-        denom = scale_exp_avg_sq.sqrt() + group["eps"]
-        scale_step = -size_lr * (bias_correction2**0.5) * scale_grads.sum(dim=1) / denom
-        scale_step = torch.where(param_rms < group["param_min_rms"],
-                                 torch.zeros_like(scale_step), scale_step)
-        scale_step = torch.where(param_rms > group["param_max_rms"],
-                                 torch.full_like(scale_step, -size_lr * period), scale_step)
-        torch._foreach_add_(new_delta, torch._foreach_mul(pf, list(scale_step.unbind(0))),
-                            alpha=1 - beta1)
-        return scale_exp_avg_sq
-
-    def _size_update(self, group: dict, p: Tensor, state: dict, new: dict[str, Tensor],
-                     param_rms: Tensor) -> None:
-        """Learn the overall size of ``p`` from the accumulated ``sum(p * grad)``."""
-        beta1, beta2 = group["betas"]
-        size_lr = group["lr"] * group["scalar_lr_scale"]
-        scale_grads = new["scale_grads"]
-        period = scale_grads.shape[0]
-        # The size is updated once per period, so its statistics decay faster.
-        beta2_corr = beta2**period
-        scale_exp_avg_sq = state["scale_exp_avg_sq"] * beta2_corr
-        scale_exp_avg_sq.add_(scale_grads.pow(2).mean(), alpha=1 - beta2_corr)
-        new["scale_exp_avg_sq"] = scale_exp_avg_sq
-        size_step = (state["step"] + 1) // period
-        bias_correction2 = 1 - beta2_corr**size_step
-        denom = scale_exp_avg_sq.sqrt() + group["eps"]
-        scale_step = -size_lr * (bias_correction2**0.5) * scale_grads.sum() / denom
-        # Too small: stop shrinking. Too large: shrink at the maximum rate.
-        scale_step = torch.where(
-            param_rms < group["param_min_rms"], torch.zeros_like(scale_step), scale_step
-        )
-        scale_step = torch.where(
-            param_rms > group["param_max_rms"],
-            torch.full_like(scale_step, -size_lr * period),
-            scale_step,
-        )
-        new["delta"].add_(p.float() * scale_step, alpha=1 - beta1)
-
-    def _tensor_update(self, group: dict, grad: Tensor, state: dict,
-                       param_rms: Tensor) -> tuple[Tensor, Tensor]:
-        """(new exp_avg_sq, the addition to delta) for a tensor parameter."""
-        beta1, beta2 = group["betas"]
-        exp_avg_sq = state["exp_avg_sq"] * beta2
-        exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
-        bias_correction2 = 1 - beta2 ** (state["step"] + 1)
-        if bias_correction2 < 0.99:
-            denom = (exp_avg_sq * (1.0 / bias_correction2)).sqrt_()
-        else:
-            denom = exp_avg_sq.sqrt()
-        denom.add_(group["eps"])
-        # The update is relative to the parameter's RMS.
-        alpha = param_rms.clamp(min=group["param_min_rms"]) * (-group["lr"] * (1 - beta1))
-        return exp_avg_sq, grad / denom * alpha
-
     def _scalar_update(self, group: dict, grad: Tensor, state: dict) -> tuple[Tensor, Tensor]:
         beta1, beta2 = group["betas"]
         lr = group["lr"] * group["scalar_lr_scale"]
@@ -515,7 +441,44 @@ class ScaledAdam(Optimizer):
             self._init_group_state(group)
 
 
-class Adam(Optimizer):
+def _chunk_fp32_grads(params: list[Tensor], factor: Tensor | None) -> list[Tensor]:
+    """The chunk's fp32 (clipped) gradients as views of one new flat buffer: the same
+    elementwise arithmetic as _fp32_grad, in three kernels instead of 2-3 per
+    parameter; p.grad (a view into the sync buffer) is only read."""
+    flat = torch.cat([(p.grad if p.grad is not None
+                       else torch.zeros_like(p, dtype=torch.float32)).reshape(-1).float()
+                      for p in params])
+    if factor is not None:
+        flat.mul_(factor)
+        # factor is 0 when the norm is not finite, and inf*0 = nan.
+        torch.nan_to_num_(flat, nan=0.0, posinf=0.0, neginf=0.0)
+    return [g.view_as(p) for g, p in zip(flat.split([p.numel() for p in params]), params)]
+
+
+def _size_update_chunk(group: dict, pf: list[Tensor], states: list[dict], scale_grads: Tensor,
+                       param_rms: Tensor, new_delta: list[Tensor]) -> Tensor:
+    """Learn each tensor's overall size from the accumulated ``sum(p * grad)``, on
+    (n,) vectors; adds to new_delta in place, returns the new scale_exp_avg_sq."""
+    beta1, beta2 = group["betas"]
+    size_lr = group["lr"] * group["scalar_lr_scale"]
+    period = scale_grads.shape[1]
+    beta2_corr = beta2**period
+    scale_exp_avg_sq = torch.stack([s["scale_exp_avg_sq"] for s in states]) * beta2_corr
+    scale_exp_avg_sq.add_(scale_grads.pow(2).mean(dim=1), alpha=1 - beta2_corr)
+    size_step = (states[0]["step"] + 1) // period
+    bias_correction2 = 1 - beta2_corr**size_step
+    denom = scale_exp_avg_sq.sqrt() + group["eps"]
+    scale_step = -size_lr * (bias_correction2**0.5) * scale_grads.sum(dim=1) / denom
+    scale_step = torch.where(param_rms < group["param_min_rms"],
+                             torch.zeros_like(scale_step), scale_step)
+    scale_step = torch.where(param_rms > group["param_max_rms"],
+                             torch.full_like(scale_step, -size_lr * period), scale_step)
+    torch._foreach_add_(new_delta, torch._foreach_mul(pf, list(scale_step.unbind(0))),
+                        alpha=1 - beta1)
+    return scale_exp_avg_sq
+
+
+class Adam(ResumableUpdate, Optimizer):
     """Adam / AdamW (``decoupled=True``), resumable like ScaledAdam.
 
     Parameters are updated in chunks of about ``chunk_mb``. Where torch has a
@@ -534,7 +497,6 @@ class Adam(Optimizer):
                         decoupled=decoupled)
         super().__init__(params, defaults)
         self.chunk_bytes = int(chunk_mb * (1 << 20))
-        self._progress: tuple[int, int] | None = None
         # fused: torch's fused Adam(W) kernel (one launch per chunk, allocation-free, so
         # it commits the chunk at once); None: wherever the kernel exists.
         self.fused = fused
@@ -542,10 +504,6 @@ class Adam(Optimizer):
     @staticmethod
     def fused_supported(device: torch.device) -> bool:
         return device.type in ("cuda", "cpu") and hasattr(torch, "_fused_adamw_")
-
-    @property
-    def resuming(self) -> bool:
-        return self._progress is not None
 
     def materialize_state(self) -> None:
         for group in self.param_groups:
@@ -576,16 +534,17 @@ class Adam(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.materialize_state()
-        start_group, start_chunk = self._progress or (0, 0)
-        for gi in range(start_group, len(self.param_groups)):
+        progress = self.begin_update()
+        for gi in range(progress.group, len(self.param_groups)):
             group = self.param_groups[gi]
             chunks = self._chunks([p for p in group["params"] if p.grad is not None])
-            for ci in range(start_chunk if gi == start_group else 0, len(chunks)):
-                self._progress = (gi, ci)
+            for ci in range(progress.unit, len(chunks)):
                 chunk = chunks[ci]
                 fused = self.fused if self.fused is not None else self.fused_supported(chunk[0].device)
                 (self._update_chunk_fused if fused else self._update_chunk)(group, chunk)
-        self._progress = None
+                progress.unit = ci + 1
+            progress.group, progress.unit = gi + 1, 0
+        self.reset_update()
         return loss
 
     def _update_chunk(self, group: dict, params: list[Tensor]) -> None:

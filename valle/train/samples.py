@@ -214,7 +214,7 @@ def attention_image(model: Any, item: HeldOutItem, output: torch.Tensor) -> torc
     of the AR's last layer (a guided head with --guided-attention-weight > 0), teacher-forced on
     the prompt and the output's codebook 0, as valle.eval.alignment measures it."""
     from valle.eval.alignment import text_attention
-    from valle.models.layout import lengths_to_valid
+    from valle.models.layout import language_ids, lengths_to_valid
 
     device = next(model.parameters()).device
     text = item.text_tokens[None].to(device)
@@ -225,7 +225,7 @@ def attention_image(model: Any, item: HeldOutItem, output: torch.Tensor) -> torc
     codes0 = codes0[:, :t] if g == 1 else codes0[:, :t].reshape(1, t // g, g)
     audio_lens = torch.tensor([codes0.shape[1]], device=device)
     languages = None if item.languages is None else item.languages[None].to(device)
-    langs = model.language_ids(text, languages)
+    langs = language_ids(text, languages, model.num_languages)
     per_layer = text_attention(model, text, lengths_to_valid(text_lens, text.shape[1]), codes0,
                                 lengths_to_valid(audio_lens, codes0.shape[1]), langs)
     probs = per_layer[-1][0][0, 0].float().cpu()  # (positions, text tokens)

@@ -30,14 +30,14 @@ def save(run: Run, name: str, next_epoch: bool = False) -> bool:
     without this file - the older checkpoints are untouched, the next save tries again -
     and every rank learns the outcome (a preempted run exits accordingly)."""
     run.stepper.flush()  # repair damaged state first: what we save is what every rank holds
-    with run.stepper.faults.phase_scope("checkpoint"):
+    with run.stepper.phases.phase_scope("checkpoint"):
         sampler = run.data.state_dict(run.ctx, next_epoch=next_epoch)
     path = run.cfg.exp_dir / name
     written = not run.ctx.is_main or write_checkpoint(run, path, sampler, next_epoch)
-    with run.stepper.faults.phase_scope("checkpoint"):
+    with run.stepper.phases.phase_scope("checkpoint"):
         written = run.stepper.reduce_counts([float(not written)])[0] == 0
     # Reading checkpoint headers (torch.load, mmap) is host work, not device memory.
-    with run.stepper.faults.host_work():
+    with run.stepper.phases.host_work():
         if not written:
             newest = next(iter(readable_checkpoints(run.cfg.exp_dir)), None)
             logger.error("checkpoint %s was not written (see rank 0's log); training goes on, "

@@ -23,7 +23,7 @@ def _channel_worker(rank: int, world_size: int) -> dict:
     tensor = torch.full((5,), float(rank))
     census = FaultInjector([], rank)
     census.count_allocations()
-    census.begin_attempt(0, 0)
+    census.phases.begin_attempt(0, 0)
     census.start()
     try:
         # a device-side slot filled in place, as the step does

@@ -109,14 +109,14 @@ def test_faults_that_never_fired_are_reported_by_name(world):
 
 def test_injector_counts_passes_not_attempts():
     faults = FaultInjector([parse_fault("forward@4"), parse_fault("grad_sync@4")], rank=0)
-    faults.begin_attempt(4, 0)
+    faults.phases.begin_attempt(4, 0)
     with pytest.raises(Exception, match="phase=forward"):
         faults.maybe_fail("forward")
-    faults.begin_attempt(4, 1)  # attempt 0 never reached grad_sync: the retry does
+    faults.phases.begin_attempt(4, 1)  # attempt 0 never reached grad_sync: the retry does
     faults.maybe_fail("forward")  # already fired once: the retry passes it
     with pytest.raises(Exception, match="phase=grad_sync step=4 attempt=1"):
         faults.maybe_fail("grad_sync")
-    faults.begin_attempt(4, 2)
+    faults.phases.begin_attempt(4, 2)
     faults.maybe_fail("grad_sync")
     assert faults.unfired() == []
 

@@ -14,6 +14,7 @@ from tests.support.scenarios import TINY_MODEL
 from valle.train.cli import parse_config
 from valle.train.dist import DistContext
 from valle.train.optim import build_optimizer
+from valle.train.resilience import guard as guard_module
 from valle.train.resilience import step as step_module
 from valle.train.resilience.faults import InjectedOutOfMemoryError
 from valle.train.resilience.gradsync import LocalGradSync
@@ -84,32 +85,33 @@ def test_the_reserve_is_held_around_the_nar_forward_only_and_released_on_every_p
 
 def test_a_report_reads_memory_at_the_failure_before_anything_is_freed(tmp_path, monkeypatch):
     calls: list[str] = []
-    monkeypatch.setattr(step_module, "memory_figures",
+    monkeypatch.setattr(guard_module, "memory_figures",
                         lambda device: calls.append("figures") or {"allocated": 123})
-    monkeypatch.setattr(step_module, "free_memory", lambda device: calls.append("free"))
+    monkeypatch.setattr(guard_module, "free_memory", lambda device: calls.append("free"))
     stepper = _stepper(tmp_path)
 
     def fail():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    failure = stepper._guarded(0, fail)
+    failure = stepper.guard.run(0, fail)
     assert calls == ["figures", "free"]
-    assert failure.memory == {"allocated": 123} and stepper.reporter.events[0].memory == failure.memory
+    assert failure.memory == {"allocated": 123}
+    assert stepper.guard.reporter.events[0].memory == failure.memory
 
 
-def test_a_lone_cut_that_fails_once_is_trained_not_quarantined(tmp_path):
+def test_a_lone_cut_that_fails_once_is_trained_not_quarantined(tmp_path, monkeypatch):
     stepper = _stepper(tmp_path)
     batch = _batch(n=1)
     failures = {"left": 1}
-    original = stepper._forward
+    original = step_module.forward_loss
 
-    def flaky_forward(step, micro):
+    def flaky_forward(model, micro, settings, step):
         if failures["left"]:
             failures["left"] -= 1
             raise InjectedOutOfMemoryError("transient")
-        return original(step, micro)
+        return original(model, micro, settings, step)
 
-    stepper._forward = flaky_forward
+    monkeypatch.setattr(step_module, "forward_loss", flaky_forward)
     result = stepper.run(0, batch)
     assert result.applied and result.cuts_trained == batch["cut_ids"]
     assert result.cuts_quarantined == [] and len(stepper.quarantine) == 0 and result.ooms == 1
@@ -164,7 +166,7 @@ def test_a_gpu_that_fails_every_cut_stops_with_exit_15_and_says_why(tmp_path, ca
 
 
 def test_a_half_done_scaler_step_is_forgotten_after_a_reset():
-    from valle.train.resilience.step import reset_scaler_stage
+    from valle.train.resilience.repair import reset_scaler_stage
 
     p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1)

@@ -10,10 +10,10 @@ from torch import nn
 from tests.support.harness import run_world, values
 from valle.train.batching import concat_batches, drop_cuts, split_batch
 from valle.train.resilience.faults import FaultInjector, InjectedOutOfMemoryError, parse_fault
+from valle.train.resilience.forward_backward import sample_seed
 from valle.train.resilience.gradsync import BucketedGradSync
 from valle.train.resilience.memory import is_oom_error
 from valle.train.resilience.quarantine import Quarantine
-from valle.train.resilience.step import sample_seed
 from valle.train.synthetic import SyntheticCorpus, SyntheticSpec, collate
 
 
@@ -65,22 +65,22 @@ def test_parse_fault_rejects_bad_specs_naming_the_flag(text):
 
 def test_step_fault_fires_once_on_the_first_attempt_of_its_step_only():
     faults = FaultInjector([parse_fault("forward@2:1")], rank=1)
-    faults.begin_attempt(2, 0)
+    faults.phases.begin_attempt(2, 0)
     with pytest.raises(InjectedOutOfMemoryError) as info:
         faults.maybe_fail("forward")
     assert is_oom_error(info.value)
     faults.maybe_fail("forward")  # the recovery path passes the same point
-    faults.begin_attempt(2, 1)
+    faults.phases.begin_attempt(2, 1)
     faults.maybe_fail("forward")
     other_rank = FaultInjector([parse_fault("forward@2:1")], rank=0)
-    other_rank.begin_attempt(2, 0)
+    other_rank.phases.begin_attempt(2, 0)
     other_rank.maybe_fail("forward")
 
 
 def test_cut_fault_fires_whenever_the_cut_is_present():
     faults = FaultInjector([parse_fault("backward@cut=c7")], rank=0)
     for attempt in range(3):
-        faults.begin_attempt(5, attempt)
+        faults.phases.begin_attempt(5, attempt)
         with pytest.raises(InjectedOutOfMemoryError):
             faults.maybe_fail("backward", ["c1", "c7"])
         faults.maybe_fail("backward", ["c1", "c2"])

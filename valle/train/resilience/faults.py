@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from valle.train.resilience.phases import PhaseTracker
+
 logger = logging.getLogger(__name__)
 
 OOM_PHASES = ("to_device", "forward", "backward", "grad_sync", "optimizer", "average")
@@ -138,62 +140,29 @@ class FaultInjector:
         rank: int = 0,
         real: bool = False,
         stall_seconds: float = 3600.0,
+        phases: PhaseTracker | None = None,
     ):
         self.specs = [s for s in specs if s.applies_to_rank(rank)
                       and not (s.phase == "kill" and _relaunched())]
         self.rank = rank
         self.real = real
         self.stall_seconds = stall_seconds
-        self.step = -1
-        self.attempt = 0
-        self.phase = "idle"  # where the trainer is now: reports and the allocation census
+        # Where the trainer is (step, attempt, phase): the step writes it, this reads it.
+        self.phases = phases if phases is not None else PhaseTracker()
+        self.phases.subscribe(self._on_attempt)
         self.fired: list[tuple[str, int, int]] = []  # (phase, step, attempt), for tests and logs
         self._fire_counts: dict[FaultSpec, int] = {}  # passes each spec has fired on
         self.saves = 0  # checkpoint writes so far (disk@save:N)
         self.alloc_specs = [s for s in self.specs if s.phase == "alloc"]
         self.allocations = 0  # allocating ops counted in the current step window
         self.census: dict[int, list[tuple[str, str]]] | None = None  # step -> [(phase, op)]
-        self._host_depth = 0
-        self._error_phase: str | None = None
         self._mode: AllocationMode | None = None
 
-    def begin_attempt(self, step: int, attempt: int) -> None:
-        if step != self.step:
+    def _on_attempt(self, step: int, attempt: int, new_step: bool) -> None:
+        if new_step:
             self.allocations = 0  # a new step window
-        self.step, self.attempt = step, attempt
-        self._error_phase = None  # an error handled elsewhere must not name a later one
 
-    # -- phases and the allocation-level injector --------------------------------
-
-    @contextmanager
-    def phase_scope(self, phase: str) -> Iterator[None]:
-        """Name what the trainer is doing (for OOM reports and the allocation census).
-        Nested inside loop-level work the name says both ("validate/forward")."""
-        previous = self.phase
-        self.phase = phase if previous in ("idle", phase) else f"{previous}/{phase}"
-        try:
-            yield
-        except BaseException:
-            # The innermost phase an error came through: what its report names.
-            if self._error_phase is None:
-                self._error_phase = phase
-            raise
-        finally:
-            self.phase = previous
-
-    def take_error_phase(self) -> str:
-        """The phase the last error was raised in (then forgotten)."""
-        phase, self._error_phase = self._error_phase or self.phase, None
-        return phase
-
-    @contextmanager
-    def host_work(self) -> Iterator[None]:
-        """Host-memory work (data loading, writing reports): not a device allocation."""
-        self._host_depth += 1
-        try:
-            yield
-        finally:
-            self._host_depth -= 1
+    # -- the allocation-level injector ------------------------------------------
 
     def count_allocations(self) -> None:
         """Record every allocating op of every step, in order, as (phase, op): the
@@ -212,19 +181,20 @@ class FaultInjector:
             mode.__exit__(None, None, None)
 
     def on_allocation(self, op_name: str) -> None:
-        if self._host_depth:
+        where = self.phases
+        if where.host_depth:
             return
         self.allocations += 1
         if self.census is not None:
-            self.census.setdefault(self.step, []).append((self.phase, op_name))
+            self.census.setdefault(where.step, []).append((where.phase, op_name))
         for spec in self.alloc_specs:
-            if (spec.step == self.step and spec.nth == self.allocations
+            if (spec.step == where.step and spec.nth == self.allocations
                     and not self._fire_counts.get(spec)):
                 self._fire_counts[spec] = 1
-                self.fired.append(("alloc", self.step, spec.nth))
+                self.fired.append(("alloc", where.step, spec.nth))
                 raise InjectedOutOfMemoryError(
-                    f"injected OOM: allocation #{spec.nth} ({op_name}) of step {self.step} in "
-                    f"phase {self.phase}, attempt {self.attempt}, rank {self.rank}")
+                    f"injected OOM: allocation #{spec.nth} ({op_name}) of step {where.step} in "
+                    f"phase {where.phase}, attempt {where.attempt}, rank {self.rank}")
 
     def _should_fire(self, phase: str, cut_ids: Sequence[str] | None) -> bool:
         """Whether a spec targets this pass through `phase`; counts the pass as fired."""
@@ -236,10 +206,11 @@ class FaultInjector:
             else:
                 # The first K passes of the step, whichever attempt makes them: the
                 # recovery path must be able to pass the same point afterwards.
-                hit = spec.step == self.step and self._fire_counts.get(spec, 0) < spec.times
+                hit = (spec.step == self.phases.step
+                       and self._fire_counts.get(spec, 0) < spec.times)
             if hit:
                 self._fire_counts[spec] = self._fire_counts.get(spec, 0) + 1
-                self.fired.append((phase, self.step, self.attempt))
+                self.fired.append((phase, self.phases.step, self.phases.attempt))
                 return True
         return False
 
@@ -254,7 +225,8 @@ class FaultInjector:
         for name in names:
             logger.warning("--inject-fault %s never fired on rank %d: its step did not run "
                            "here (the run ended at step %d) or its point was not reached "
-                           "(no batch on this rank, cut never drawn)", name, self.rank, self.step)
+                           "(no batch on this rank, cut never drawn)", name, self.rank,
+                           self.phases.step)
         return names
 
     def maybe_fail(self, phase: str, cut_ids: Sequence[str] | None = None, device=None) -> None:
@@ -264,8 +236,22 @@ class FaultInjector:
         if self.real and device is not None and torch.device(device).type == "cuda":
             exhaust_cuda_memory(device)  # raises the allocator's own OutOfMemoryError
         raise InjectedOutOfMemoryError(
-            f"injected OOM: phase={phase} step={self.step} attempt={self.attempt} rank={self.rank}"
+            f"injected OOM: phase={phase} step={self.phases.step} attempt={self.phases.attempt} "
+            f"rank={self.rank}"
         )
+
+    def before_forward(self, cut_ids: Sequence[str], device) -> None:
+        """The forward's fault points, in order: kill, stall, then an OOM."""
+        if self.specs:
+            self.maybe_kill()
+            self.maybe_stall()
+            self.maybe_fail("forward", cut_ids, device)
+
+    def poison(self, loss: torch.Tensor) -> torch.Tensor:
+        """A NaN loss, or a finite loss with a NaN gradient, where a spec says so."""
+        if not self.specs:
+            return loss
+        return self.poison_grad(self.poison_loss(loss))
 
     def maybe_fail_save(self, path) -> None:
         """disk@save:N: the Nth checkpoint write of this run fails as on a full disk."""
@@ -273,12 +259,13 @@ class FaultInjector:
         for spec in self.specs:
             if spec.phase == "disk" and spec.step == self.saves and not self._fire_counts.get(spec):
                 self._fire_counts[spec] = 1
-                self.fired.append(("disk", self.step, self.saves))
+                self.fired.append(("disk", self.phases.step, self.saves))
                 raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
 
     def maybe_stall(self) -> None:
         if self.specs and self._should_fire("stall", None):
-            logger.warning("injected stall: sleeping %.0f s at step %d", self.stall_seconds, self.step)
+            logger.warning("injected stall: sleeping %.0f s at step %d", self.stall_seconds,
+                           self.phases.step)
             time.sleep(self.stall_seconds)
 
     def poison_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -294,7 +281,7 @@ class FaultInjector:
     def maybe_kill(self) -> None:
         # kill specs are dropped in a relaunch (see _relaunched).
         if self.specs and self._should_fire("kill", None):
-            logger.warning("injected kill: SIGKILL to myself at step %d", self.step)
+            logger.warning("injected kill: SIGKILL to myself at step %d", self.phases.step)
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)
 

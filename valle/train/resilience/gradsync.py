@@ -46,7 +46,25 @@ class Bucket:
     launched: bool = False
 
 
-class BucketedGradSync:
+class GradSyncProtocol:
+    """What the resilient step asks of every grad sync beyond the gradients: the
+    attempt's differences between modes live here, not in the step."""
+
+    # torch DDP all-reduces inside backward: the vote runs after the forwards, and the
+    # last micro-batch's backward only when the vote is clean.
+    votes_before_backward = False
+
+    def forward_context(self, last_micro_batch: bool):
+        """Entered around a micro-batch's forward (and its backward)."""
+        return nullcontext()
+
+    def epoch_over(self, dry_ranks: int, world_size: int) -> bool:
+        """A dry rank contributes zero gradient until every rank is dry, so nothing
+        drawn is dropped."""
+        return dry_ranks == world_size
+
+
+class BucketedGradSync(GradSyncProtocol):
     """Flat-buffer gradients with ordered, completable, optionally overlapped all-reduce."""
 
     def __init__(
@@ -227,7 +245,7 @@ class BucketedGradSync:
         self._hooks = []
 
 
-class LocalGradSync:
+class LocalGradSync(GradSyncProtocol):
     """One rank: nothing to all-reduce, so gradients stay ordinary tensors.
 
     Zeroing sets them to None and the first backward hands its result over
@@ -297,11 +315,22 @@ class LocalGradSync:
         pass
 
 
-class DdpGradSync:
+class DdpGradSync(GradSyncProtocol):
     """torch DDP, for comparison: forward OOMs are voted before backward;
     a backward OOM cannot be completed and ends the run with a clear error."""
 
     mode = "ddp"
+    votes_before_backward = True
+
+    def forward_context(self, last_micro_batch: bool):
+        """DDP decides at forward time whether backward will all-reduce: earlier
+        micro-batches run forward *and* backward under no_sync."""
+        return self.backward_context(last_micro_batch)
+
+    def epoch_over(self, dry_ranks: int, world_size: int) -> bool:
+        """DDP cannot run a backward without a batch: the epoch ends when the first
+        rank runs dry."""
+        return dry_ranks > 0
 
     def __init__(self, model: nn.Module, params: Sequence[nn.Parameter], *, world_size: int,
                  device: torch.device, group=None, bucket_cap_mb: float = 25.0):

@@ -55,7 +55,7 @@ def scan_pessimistic_batches(stepper, batches: dict[str, Batch], cfg: TrainConfi
     # its memory here as it will in training, no stand-in needed.
     stepper.materialize_state()
     meter = scan_meter(stepper)
-    with meter.active(), stepper.faults.phase_scope("scan"):
+    with meter.active(), stepper.phases.phase_scope("scan"):
         rows = [_try_batch(stepper, meter, name, batch) for name, batch in batches.items()]
     free_memory(device)
     header = (f"{'criterion':<36} {'cuts':>5} {'frames':>7} {'text':>7}  {'peak':>13}  "
@@ -76,7 +76,7 @@ def scan_pessimistic_batches(stepper, batches: dict[str, Batch], cfg: TrainConfi
 def scan_meter(stepper):
     """The run's memory meter (valle.train.build), or one made for this scan (callers
     that built a step by hand): on CPU it counts tensors only inside the scan."""
-    meter = getattr(stepper, "meter", None)
+    meter = stepper.meter
     if meter is None:
         from valle.train.resilience.meter import build_meter, training_state_tensors
 
@@ -106,7 +106,7 @@ def _try_batch(stepper, meter, name: str, batch: Batch) -> ScanRow:
 def _fits(stepper, batch: Batch) -> bool:
     """Whether the batch trains; a failure is retried once after memory was freed
     (a transient OOM is not a reason to tell the user to lower a flag)."""
-    return any(stepper._guarded(-1, lambda: stepper.trial(batch)) is None for _ in range(2))
+    return any(stepper.guard.run(-1, lambda: stepper.trial(batch)) is None for _ in range(2))
 
 
 def _advice(row: ScanRow, cfg: TrainConfig) -> str:
