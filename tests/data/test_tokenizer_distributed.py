@@ -90,13 +90,13 @@ def _assert_same(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, tokenizer_cli):
     """One process, the way bin/tokenizer.py ran before workers existed."""
-    from conftest import load_tokenizer_cli
-
+    # (The conftest's fixture, not `import conftest`: under the full suite that name is
+    # whichever test directory's conftest was imported first.)
     tmp = tmp_path_factory.mktemp("ref")
     man = _corpus(tmp)
-    assert load_tokenizer_cli().main(_argv(man, tmp / "out", "--shar-dir", str(tmp / "shar"))) == 0
+    assert tokenizer_cli.main(_argv(man, tmp / "out", "--shar-dir", str(tmp / "shar"))) == 0
     return man, tmp / "out", tmp / "shar"
 
 
