@@ -100,8 +100,16 @@ class MemoryModel:
 
 
 def fit_memory_model(probes: list[Probe]) -> MemoryModel:
-    """Non-negative least squares of (peak - base) on the features (active set: drop the
-    most negative coefficient and solve again); relative errors weigh probes equally."""
+    """Non-negative least squares of (peak - base) on the features, relative errors weighing
+    probes equally.
+
+    Exact NNLS by enumeration: the optimum is the plain least-squares fit on its own support,
+    so every subset of the five features is solved and the best one whose coefficients are
+    all >= 0 wins; among equally good subsets, the smallest (then the first in FEATURES
+    order). Probes of one batch grown in proportion make the features collinear: a greedy
+    active set, or lstsq on the rank-deficient whole, then picks one of many exact solutions
+    by the LAPACK driver's rounding (different on another CPU); the smallest exact support
+    has full rank, so its solution is unique."""
     ok = [p for p in probes if p.peak_bytes is not None]
     if not ok:
         raise ValueError("no probe fitted in memory: nothing to fit")
@@ -109,20 +117,44 @@ def fit_memory_model(probes: list[Probe]) -> MemoryModel:
     x = torch.tensor([p.shape.vector() for p in ok], dtype=torch.float64)
     y = torch.tensor([p.peak_bytes - base for p in ok], dtype=torch.float64)
     weight = 1.0 / y.clamp(min=1.0)  # relative error
-    active = list(range(len(FEATURES)))
-    coef = torch.zeros(len(FEATURES), dtype=torch.float64)
-    while active:
-        a = x[:, active] * weight[:, None]
-        scale = a.norm(dim=0).clamp(min=1e-30)
-        sol = torch.linalg.lstsq(a / scale, (y * weight)[:, None]).solution[:, 0] / scale
-        if (sol >= 0).all():
-            coef.zero_()
-            coef[active] = sol
-            break
-        active.pop(int(sol.argmin()))
-    model = MemoryModel(base, dict(zip(FEATURES, coef.tolist())))
+    target = y * weight
+    fits: list[tuple[float, tuple[int, ...], torch.Tensor]] = []
+    for support in _supports(len(FEATURES)):
+        coef = _least_squares(x[:, support] * weight[:, None], target)
+        if coef is None or (coef < 0).any():
+            continue
+        full = torch.zeros(len(FEATURES), dtype=torch.float64)
+        full[list(support)] = coef
+        fits.append((float(((x * weight[:, None]) @ full - target).norm()), support, full))
+    # The empty support always fits (residual |target|), so `fits` is never empty. A
+    # tolerance on the residual lets an exact fit on fewer features beat a rounding-level
+    # "better" one on more.
+    least = min(residual for residual, _, _ in fits)
+    near = [(len(support), support, full) for residual, support, full in fits
+            if residual <= least + 1e-9 * (1.0 + least)]
+    best_coef = min(near, key=lambda fit: fit[:2])[2]
+    model = MemoryModel(base, dict(zip(FEATURES, best_coef.tolist())))
     model.max_error = max(abs(model.predict(p.shape) - p.peak_bytes) / p.peak_bytes for p in ok)
     return model
+
+
+def _supports(n: int) -> list[tuple[int, ...]]:
+    """Every subset of range(n), the empty one included (the zero model)."""
+    return [tuple(i for i in range(n) if mask >> i & 1) for mask in range(2 ** n)]
+
+
+def _least_squares(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """argmin |a c - b| with columns scaled to unit norm; None when a column is zero or the
+    columns are dependent (another support holds the same fit with fewer features)."""
+    if a.shape[1] == 0:
+        return torch.zeros(0, dtype=a.dtype)
+    scale = a.norm(dim=0)
+    if (scale == 0).any():
+        return None
+    scaled = a / scale
+    if int(torch.linalg.matrix_rank(scaled, rtol=1e-10)) < a.shape[1]:
+        return None
+    return torch.linalg.lstsq(scaled, b[:, None], driver="gelsd").solution[:, 0] / scale
 
 
 def usable_bytes(budget_bytes: int, reserve_bytes: int, headroom: float) -> int:
