@@ -29,7 +29,8 @@ SIZES = {
 }
 
 
-def build(size: str, device: str, compile_: bool, exp: Path, stage: int, batch: int):
+def build(size: str, device: str, compile_: bool, exp: Path, stage: int, batch: int,
+          backend: str = "inductor"):
     from valle.train.cli import parse_config
     from valle.train.dist import init_distributed
     from valle.train.loop import build_run
@@ -37,7 +38,7 @@ def build(size: str, device: str, compile_: bool, exp: Path, stage: int, batch: 
     argv = [*SIZES[size], "--dropout", "0", "--device", device, "--tensorboard", "false",
             "--oom-check", "false", "--exp-dir", str(exp), "--synthetic-data", "64",
             "--synthetic-batch-size", str(batch), "--train-stage", str(stage),
-            "--compile", str(compile_).lower()]
+            "--compile", str(compile_).lower(), "--compile-backend", backend]
     return build_run(parse_config(argv), init_distributed(device))
 
 
@@ -60,7 +61,8 @@ def timed_steps(run, batches, first_step: int, count: int, device: str) -> float
 
 def bench_size(size: str, args: argparse.Namespace, tmp: Path) -> dict:
     eager = build(size, args.device, False, tmp / f"{size}-eager", args.stage, args.batch)
-    compiled = build(size, args.device, True, tmp / f"{size}-compiled", args.stage, args.batch)
+    compiled = build(size, args.device, True, tmp / f"{size}-compiled", args.stage, args.batch,
+                     args.backend)
     drawn = list(eager.data.train_batches(1))  # the same batches for both, cycled
     streams = {"eager": itertools.cycle(drawn), "compiled": itertools.cycle(drawn)}
     runs = {"eager": eager, "compiled": compiled}
@@ -101,13 +103,16 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--blocks", type=int, default=5)
     p.add_argument("--block-steps", type=int, default=4)
+    p.add_argument("--backend", default="inductor",
+                   help="torch.compile backend (aot_eager: the plumbing without inductor's code "
+                        "generation, as the CPU smoke test of scripts/gpu_check.py runs it)")
     args = p.parse_args()
     import torch
 
     print(f"torch {torch.__version__}, device {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else
              f" ({torch.get_num_threads()} threads)") + f", stage {args.stage}, batch {args.batch}, "
-          f"{args.blocks} blocks of {args.block_steps} steps, 64 synthetic cuts", flush=True)
+          f"{args.blocks} blocks of {args.block_steps} steps, 64 synthetic cuts, backend {args.backend}", flush=True)
     print("| size | eager steps/s | --compile steps/s | speed-up | compile s | compiles "
           "(recompiles) | padded shapes | first pass s (eager / compiled) |")
     print("|---|---|---|---|---|---|---|---|")

@@ -1,7 +1,9 @@
 """The sampler never exceeds the text-token or duration budget."""
 
+import gc
 import random
 
+import pytest
 from lhotse import CutSet, SupervisionSegment
 from lhotse.dataset import DynamicBucketingSampler
 from lhotse.testing.dummies import dummy_cut
@@ -66,3 +68,43 @@ def test_constraint_state_roundtrip_and_split():
     assert clone.state_dict() == c.state_dict()
     parts = c.split(cuts)
     assert sum(len(p) for p in parts) == 6 and all(c.fits(p) or len(p) == 1 for p in parts)
+
+
+class _CollectorWatcher:
+    """A stand-in for lhotse's sampler that notes, at each batch it makes, whether Python's
+    automatic garbage collection was on; ``fail_first`` raises where the buffer would fill."""
+
+    def __init__(self, batches, fail_first=False):
+        self.batches, self.fail_first, self.collector_on = batches, fail_first, []
+
+    def __iter__(self):
+        for batch in self.batches:
+            self.collector_on.append(gc.isenabled())
+            if self.fail_first:
+                raise OSError("unreadable manifest")
+            yield batch
+
+
+def test_the_buffer_fill_runs_with_the_collector_paused_and_training_with_it_on():
+    cuts = list(make_cuts(n=6))
+    inner = _CollectorWatcher([cuts[:2], cuts[2:4], cuts[4:]])
+    sampler = BudgetedSampler(inner, TextTokenConstraint(max_duration=30.0, max_text_tokens=300))
+    drawn = [[c.id for c in batch] for batch in sampler]
+    assert drawn == [[c.id for c in cuts[i:i + 2]] for i in (0, 2, 4)]
+    assert inner.collector_on == [False, True, True]  # paused only while the first batch is made
+    assert gc.isenabled()
+
+
+def test_the_collector_comes_back_when_the_fill_fails_and_stays_off_if_it_was_off():
+    sampler = BudgetedSampler(_CollectorWatcher([list(make_cuts(n=2))], fail_first=True),
+                              TextTokenConstraint(max_duration=30.0, max_text_tokens=300))
+    with pytest.raises(OSError, match="unreadable manifest"):
+        next(iter(sampler))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        list(BudgetedSampler(_CollectorWatcher([list(make_cuts(n=2))]),
+                             TextTokenConstraint(max_duration=30.0, max_text_tokens=300)))
+        assert not gc.isenabled()  # a caller that turned it off keeps it off
+    finally:
+        gc.enable()
