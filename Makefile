@@ -21,10 +21,11 @@ $(STAMP): pyproject.toml
 demo: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash egs/tiny/run.sh
 
-# Two workers, each test file whole on one (tests/conftest.py); the 25 slowest tests are listed.
+# Two pytest-xdist workers, each test file whole on one (its module fixtures built once; the
+# held-out corpus is built by the first worker that needs it); the 25 slowest tests are listed.
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -18,8 +18,23 @@ JUDGE_EPOCHS = 40  # on the 96 natural ones: about 500 CTC steps, past the blank
 
 @pytest.fixture(scope="session")
 def heldout_data(tmp_path_factory) -> Path:
-    """Returns the tokenized dir: tiny_cuts_{train,dev,test}, mel_rvq.pt, audio_codec.json, judge.pt."""
-    data_dir = tmp_path_factory.mktemp("heldout")
+    """Returns the tokenized dir: tiny_cuts_{train,dev,test}, mel_rvq.pt, audio_codec.json, judge.pt.
+    Built once per run: under pytest-xdist (`make test`) the first worker to need it builds it
+    in the run's shared temp dir and the others wait for it."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the run's directory, above each worker's own
+    data_dir, done = shared / "heldout", shared / "heldout.done"
+    with FileLock(str(shared / "heldout.lock")):
+        if not done.is_file():
+            _build_heldout(data_dir)
+            done.touch()
+    return data_dir / "tokenized"
+
+
+def _build_heldout(data_dir: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         ["bash", str(ROOT / "egs/tiny/prepare.sh"), "--python", sys.executable, "--data-dir", str(data_dir),
@@ -29,7 +44,6 @@ def heldout_data(tmp_path_factory) -> Path:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return data_dir / "tokenized"
 
 
 @pytest.fixture(scope="session")

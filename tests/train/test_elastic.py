@@ -37,6 +37,7 @@ pytestmark = [pytest.mark.multiproc]
 REPO = Path(__file__).resolve().parents[2]
 TRAINER = str(REPO / "bin" / "trainer.py")
 STALL_EXIT_CODE = 75
+PEER_FAILURE_EXIT_CODE = 14  # docs/oom.md, exit codes
 
 # 48 cuts in global batches of 8: 6 steps per epoch, 2 epochs.
 NUM_EPOCHS, STEPS_PER_EPOCH = 2, 6
@@ -165,12 +166,16 @@ def test_stalled_rank_dumps_every_rank_and_exits(tmp_path):
     assert proc.returncode != 0, output(proc)
     logs = proc.stdout + proc.stderr
     assert "injected stall" in logs
-    # torchrun's failure table: the first worker it saw fail left through its watchdog.
-    # (Those still in their grace period when torchrun noticed are SIGTERMed and not
-    # listed; their dumps, checked below, were written before the grace period.)
+    # torchrun's failure table: a worker left through its watchdog. (Those still in their
+    # grace period when torchrun noticed are SIGTERMed and not listed; their dumps, checked
+    # below, were written before the grace period.) Rank 0, waiting in the all-reduce, may
+    # instead leave through the peer-failure exit (14) when rank 1's exit closes the
+    # connection during its grace period (seen on a loaded machine): the dump is written by then.
     codes = dict(re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)",
                             logs))
-    assert codes and set(codes.values()) == {str(STALL_EXIT_CODE)}, output(proc)
+    assert str(STALL_EXIT_CODE) in codes.values(), output(proc)
+    assert set(codes.values()) <= {str(STALL_EXIT_CODE), str(PEER_FAILURE_EXIT_CODE)}, output(proc)
+    assert codes.get("1", str(STALL_EXIT_CODE)) == str(STALL_EXIT_CODE), output(proc)  # the stalled one
     for rank in (0, 1):
         dump = (exp / "log" / f"stall-rank{rank}.txt").read_text()
         assert re.search(rf"rank {rank}: step 3 has run [\d.]+ s, over the stall limit", dump), dump
