@@ -91,3 +91,50 @@ def test_bench_startup_prints_its_table(tmp_path):
     from valle.data.extremes import Extremes
 
     assert Extremes.read(tmp_path / "cuts-60" / "tiny_extremes_train.json").count == 60
+
+
+def _fake_valgrind(path: Path, trainer: int, bare: int, fail: bool = False) -> Path:
+    """A stand-in for valgrind: prints callgrind's total for a child of `--steps N`,
+    2e9 of set-up plus N times the mode's per-step count (or fails)."""
+    path.write_text(f"""#!/usr/bin/env bash
+{'echo "valgrind: broken" >&2; exit 1' if fail else ''}
+mode=""; steps=0
+while [ $# -gt 0 ]; do
+  case "$1" in --child) mode=$2; shift;; --steps) steps=$2; shift;; esac; shift
+done
+per={trainer}; [ "$mode" = bare ] && per={bare}
+echo "==1== Collected : $((2000000000 + steps * per))" >&2
+""")
+    path.chmod(0o755)
+    return path
+
+
+def test_bench_host_instructions_reports_marginal_counts_per_checkout(tmp_path):
+    """Per-step counts are (I(2N) - I(N)) / N for each checkout's trainer and bare loop,
+    the ratio to the first checkout is printed, and a failing valgrind is named."""
+    fake = _fake_valgrind(tmp_path / "valgrind", trainer=12_500_000, bare=10_000_000)
+    proc = subprocess.run([sys.executable, "scripts/bench_host_instructions.py", "--checkouts",
+                           f"{ROOT},{ROOT}", "--steps", "3", "--valgrind", str(fake)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(f"| {ROOT} |")]
+    assert len(rows) == 2, proc.stdout
+    for row in rows:
+        assert row == f"| {ROOT} | 12.50 | 10.00 | 1.2500x | 1.0000x |"
+    assert "(I(6) - I(3)) / 3" in proc.stdout
+    broken = _fake_valgrind(tmp_path / "broken", 1, 1, fail=True)
+    proc = subprocess.run([sys.executable, "scripts/bench_host_instructions.py", "--steps", "3",
+                           "--valgrind", str(broken)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0
+    assert "failed (exit 1)" in proc.stderr and "valgrind: broken" in proc.stderr
+
+
+@pytest.mark.timeout(240)
+def test_bench_host_instructions_child_runs_the_checkouts_loops():
+    """The process valgrind runs: the checkout's own trainer and bare loop, a few steps."""
+    for mode in ("trainer", "bare"):
+        proc = subprocess.run([sys.executable, "scripts/bench_host_instructions.py", "--child", mode,
+                               "--steps", "2", "--checkouts", str(ROOT)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=200)
+        assert proc.returncode == 0, proc.stderr[-3000:]
