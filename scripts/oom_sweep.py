@@ -61,10 +61,34 @@ def configurations(worlds: list[int], scalers: list[bool], steps: list[int],
     return out
 
 
+SCALER_CHOICES = {"off": [False], "on": [True], "both": [False, True]}
+SCENARIOS = ("plain", "retry", "repair", "lora")
+FAILING_SETS = ("one", "some", "all")
+
+
+def parse_list(flag: str, text: str, allowed) -> list[str]:
+    """`text` split at commas, each item one of `allowed`; a wrong one is named (not
+    silently swept as something else)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    wrong = [t for t in items if t not in allowed]
+    if wrong or not items:
+        raise argparse.ArgumentTypeError(
+            f"{flag} {text!r}: {', '.join(wrong) or 'nothing given'} not one of {', '.join(allowed)}")
+    return items
+
+
+def parse_scalers(text: str) -> list[bool]:
+    """--scaler: off, on, both, or a comma list of off/on; GradScaler on or off per item."""
+    out: list[bool] = []
+    for item in parse_list("--scaler", text, tuple(SCALER_CHOICES)):
+        out += [s for s in SCALER_CHOICES[item] if s not in out]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="1,2,3")
-    p.add_argument("--scaler", default="off,on", help="off, on or both (fp16 autocast + GradScaler on CPU)")
+    p.add_argument("--scaler", default="off,on", help="off, on, both or off,on (fp16 autocast + GradScaler on CPU)")
     p.add_argument("--steps", default="startup,1,3",
                    help="steps whose allocations are failed (startup: the set-up; 1: a mid step with "
                         "validation, consistency check, checkpoint, then the run's end; 3: the epoch end)")
@@ -82,11 +106,15 @@ def main() -> int:
                    help="per-configuration results, reused by a rerun on the same code")
     p.add_argument("--no-cache", action="store_true", help="rerun every configuration")
     args = p.parse_args()
-    configs = configurations([int(w) for w in args.worlds.split(",")],
-                             [s == "on" for s in args.scaler.split(",")],
+    try:
+        scalers = parse_scalers(args.scaler)
+        scenarios = parse_list("--scenarios", args.scenarios, SCENARIOS)
+        failing = parse_list("--failing", args.failing, FAILING_SETS)
+    except argparse.ArgumentTypeError as exc:
+        p.error(str(exc))
+    configs = configurations([int(w) for w in args.worlds.split(",")], scalers,
                              [-1 if s == "startup" else int(s) for s in args.steps.split(",")],
-                             args.scenarios.split(","),
-                             args.failing.split(","), tuple(shlex.split(args.model_flags)))
+                             scenarios, failing, tuple(shlex.split(args.model_flags)))
     start = time.monotonic()
     results = []
     resumed = 0
