@@ -196,7 +196,8 @@ def _fired(exp: Path, rank: int) -> bool:
 
 
 def _initial_params(cfg: SweepConfig, root: Path) -> dict:
-    """The trainer's initial weights (same seed, same architecture)."""
+    """The trainer's initial weights (same seed, same architecture; in the lora scenario
+    the frozen base with its adapters attached, as the trainer attaches them)."""
     import torch
 
     from valle.models import get_model
@@ -204,7 +205,14 @@ def _initial_params(cfg: SweepConfig, root: Path) -> dict:
 
     config = parse_config(trainer_argv(root / "initial", cfg, []))
     torch.manual_seed(config.seed)
-    return get_model(config.model).state_dict()
+    model = get_model(config.model)
+    if config.lora.enabled:
+        from valle.models.convert import from_payload, load_payload
+        from valle.train.finetune import attach_lora
+
+        base, _ = from_payload(load_payload(config.start_from), config.start_from)
+        attach_lora(config.lora, config.start_from, model, base)
+    return model.state_dict()
 
 
 def _equal(params: dict, clean: dict | None, initial: dict | None = None,

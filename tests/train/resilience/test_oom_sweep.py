@@ -90,3 +90,22 @@ def test_model_flags_reach_the_swept_trainer_and_name_the_configuration(tmp_path
     assert argv[-4:] == ["--guided-attention-weight", "1", "--inject-fault", "alloc@1:5:0"]
     assert "--guided-attention-weight" not in trainer_argv(tmp_path, plain, [])
     assert guided.name == plain.name + " [--guided-attention-weight 1]"
+
+
+@pytest.mark.timeout(120)
+def test_the_fp16_comparison_knows_the_lora_adapters(tmp_path):
+    """Under fp16 a point's weights are compared relative to the initial ones; in the lora
+    scenario those include the adapters (a sweep without them lost every fp16 LoRA point to
+    a KeyError in the harness, reported as 'no result from every rank')."""
+    from tests.support.scenarios import train_worker
+    from tests.support.sweep import _equal, _initial_params, write_lora_base
+
+    cfg = SweepConfig(world_size=1, scaler=True, failing="all", fault_step=1, scenario="lora")
+    write_lora_base(cfg)
+    initial = _initial_params(cfg, tmp_path)
+    trained = train_worker(0, 1, trainer_argv(tmp_path / "run", cfg, []))["params"]
+    adapters = [k for k in trained if "lora_" in k]
+    assert adapters and set(trained) <= set(initial)
+    assert _equal(trained, trained, initial)
+    moved = {k: v + 1.0 if k == adapters[0] else v for k, v in trained.items()}
+    assert not _equal(moved, trained, initial)
