@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -85,6 +85,54 @@ class Failure:
 class RunResult:
     written: list[Path] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
+
+
+@dataclass
+class Prepared:
+    """One unit ready to decode (``Synthesizer.prepare``): CPU tensors, no padding.
+
+    The boundary between the text/prompt frontend and the decoding engine: whatever reads a
+    text or a prompt makes these, whatever decodes takes them.
+    """
+
+    name: str  # how messages refer to it
+    text: torch.Tensor  # (S,) ids: BOS + prompt transcript + text + EOS
+    prompt_text_len: int  # ids of the prompt transcript part (its word separator included)
+    prompt: torch.Tensor  # (P, Q) the prompt's codes
+    text_languages: torch.Tensor | None = None  # (S,) a language id per token (VALL-E X)
+
+
+class PreparedBatch(NamedTuple):
+    text: torch.Tensor  # (B, S) padded with the symbol table's pad id
+    text_lens: torch.Tensor  # (B,)
+    prompt_text_lens: torch.Tensor  # (B,)
+    text_languages: torch.Tensor | None  # (B, S), each row padded with its last language
+    prompt: torch.Tensor  # (B, P, Q) padded with NUM_AUDIO_TOKENS
+    prompt_lens: torch.Tensor  # (B,)
+
+
+def collate_prepared(prepared: list[Prepared], pad_id: int, device) -> PreparedBatch:
+    """Prepared units as one padded batch on ``device``."""
+    text_lens = torch.tensor([u.text.numel() for u in prepared])
+    prompt_lens = torch.tensor([u.prompt.shape[0] for u in prepared])
+    text = torch.full((len(prepared), int(text_lens.max())), pad_id, dtype=torch.long)
+    q = prepared[0].prompt.shape[1]
+    prompt = torch.full((len(prepared), int(prompt_lens.max()), q), NUM_AUDIO_TOKENS, dtype=torch.long)
+    for b, unit in enumerate(prepared):
+        text[b, : unit.text.numel()] = unit.text
+        prompt[b, : unit.prompt.shape[0]] = unit.prompt
+    languages = None
+    if prepared[0].text_languages is not None:
+        languages = torch.stack([
+            torch.cat([u.text_languages, u.text_languages[-1:].expand(text.shape[1] - u.text.numel())])
+            for u in prepared
+        ])  # fmt: skip
+        languages = languages.to(device)
+    return PreparedBatch(
+        text.to(device), text_lens.to(device),
+        torch.tensor([u.prompt_text_len for u in prepared], device=device),
+        languages, prompt.to(device), prompt_lens.to(device),
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------- arguments
@@ -527,81 +575,61 @@ class Synthesizer:
             return length_problem(tokens, self.text_limit, split_sentences)
         return None
 
-    def _text_tokens(self, items: list[Item], continual: bool):
-        """Token ids of BOS + prompt transcript + text + EOS, and the prompt part's lengths.
+    def _text_ids(self, item: Item, continual: bool) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """Token ids of BOS + prompt transcript + text + EOS, the prompt part's length, and
+        the language id of each token (VALL-E X; else None).
 
         The prompt's transcript and the text are phonemized separately, each in its own
-        language; a word separator joins them and counts as part of the prompt. Also the
-        language of each token (BOS's is the prompt's, EOS's the text's; for ``_text_languages``).
+        language; a word separator joins them and counts as part of the prompt. BOS takes the
+        prompt's language, EOS the text's.
         """
         from valle.data.text import WORD_SEP
 
-        symbols, prompt_lens, token_languages = [], [], []
-        for item in items:
-            if not item.text.strip() and not continual:
-                raise InputError(f"{item.name}: the text to synthesise is empty")
-            prompt, prompt_langs = self._said(item.prompt_text, self.prompt_language, "prompt_text", item)
-            text, text_langs = self._said(item.text, self.language, "text", item)
-            if prompt and text:
-                prompt, prompt_langs = prompt + [WORD_SEP], prompt_langs + prompt_langs[-1:]
-            if not prompt and not text:
-                raise InputError(f"{item.name}: empty text (and empty prompt text)")
-            symbols.append(prompt + text)
-            prompt_lens.append(len(prompt))
-            bos = prompt_langs[:1] or ([self.prompt_language] if self.prompt_language != AUTO else text_langs[:1])
-            eos = text_langs[-1:] or ([self.language] if self.language != AUTO else prompt_langs[-1:])
-            token_languages.append(bos + prompt_langs + text_langs + eos)
+        if not item.text.strip() and not continual:
+            raise InputError(f"{item.name}: the text to synthesise is empty")
+        prompt, prompt_langs = self._said(item.prompt_text, self.prompt_language, "prompt_text", item)
+        text, text_langs = self._said(item.text, self.language, "text", item)
+        if prompt and text:
+            prompt, prompt_langs = prompt + [WORD_SEP], prompt_langs + prompt_langs[-1:]
+        if not prompt and not text:
+            raise InputError(f"{item.name}: empty text (and empty prompt text)")
         try:
-            tokens, lens = self.collater(symbols, ids=[i.name for i in items])
+            ids = self.collater.encode(prompt + text, item.name)
         except KeyError as e:
             raise InputError(str(e)) from e
-        return (
-            tokens.to(self.device),
-            lens.to(self.device),
-            torch.tensor(prompt_lens, device=self.device),
-            token_languages,
-        )
-
-    def _text_languages(
-        self, tokens: torch.Tensor, token_languages: list[list[str]]
-    ) -> torch.Tensor | None:
-        """Per-token language ids (VALL-E X): each token's language, padding in its row's last."""
         if self.language_ids is None:
-            return None
-        rows = [[self.language_ids[lang] for lang in langs] for langs in token_languages]
-        width = tokens.shape[1]
-        return torch.tensor([row + row[-1:] * (width - len(row)) for row in rows], device=tokens.device)
+            return torch.tensor(ids, dtype=torch.long), len(prompt), None
+        bos = prompt_langs[:1] or ([self.prompt_language] if self.prompt_language != AUTO else text_langs[:1])
+        eos = text_langs[-1:] or ([self.language] if self.language != AUTO else prompt_langs[-1:])
+        langs = [self.language_ids[lang] for lang in bos + prompt_langs + text_langs + eos]
+        return torch.tensor(ids, dtype=torch.long), len(prompt), torch.tensor(langs, dtype=torch.long)
 
-    def _prompt_codes(self, items: list[Item]):
+    def _prompt_codes(self, item: Item) -> torch.Tensor:
+        """The prompt's codes (P, Q): every prompt file of ``item`` encoded, joined in time."""
         from valle.codec.audio import load_audio_24k
 
         q = self.model.num_quantizers
-        codes = []
-        for item in items:
-            if not item.prompt_wavs or not all(item.prompt_wavs):
-                raise InputError(f"{item.name}: no prompt audio file")
-            parts = []
-            for wav_path in item.prompt_wavs:
-                try:
-                    wav = load_audio_24k(wav_path)
-                except Exception as e:  # unreadable, missing, empty: the message names the file
-                    raise InputError(
-                        f"{item.name}: cannot read prompt audio {wav_path}: {e}"
-                    ) from e
-                c = self.audio_tokenizer.encode(wav)[0].T  # (T, 8)
-                if c.shape[1] < q:
-                    raise InputError(
-                        f"the audio tokenizer gives {c.shape[1]} codebooks, the model needs {q}"
-                    )
-                parts.append(c[:, :q])
-            codes.append(torch.cat(parts, dim=0).to(self.device))
-        lens = torch.tensor([c.shape[0] for c in codes], device=self.device)
-        out = torch.full(
-            (len(codes), int(lens.max()), q), NUM_AUDIO_TOKENS, dtype=torch.long, device=self.device
-        )
-        for i, c in enumerate(codes):
-            out[i, : c.shape[0]] = c
-        return out, lens
+        if not item.prompt_wavs or not all(item.prompt_wavs):
+            raise InputError(f"{item.name}: no prompt audio file")
+        parts = []
+        for wav_path in item.prompt_wavs:
+            try:
+                wav = load_audio_24k(wav_path)
+            except Exception as e:  # unreadable, missing, empty: the message names the file
+                raise InputError(f"{item.name}: cannot read prompt audio {wav_path}: {e}") from e
+            c = self.audio_tokenizer.encode(wav)[0].T  # (T, 8)
+            if c.shape[1] < q:
+                raise InputError(
+                    f"the audio tokenizer gives {c.shape[1]} codebooks, the model needs {q}"
+                )
+            parts.append(c[:, :q].cpu())
+        return torch.cat(parts, dim=0)
+
+    def prepare(self, item: Item, continual: bool = False) -> Prepared:
+        """``item`` as the model takes it (the frontend's half of synthesis): its text ids, their
+        languages and the prompt's codes. Bad input raises ``InputError``."""
+        text, prompt_text_len, languages = self._text_ids(item, continual)
+        return Prepared(item.name, text, prompt_text_len, self._prompt_codes(item), languages)
 
     def _code_vectors(self, nar_decoding: str) -> list[torch.Tensor] | None:
         """The codec's code vectors for ``--nar-decoding mmse`` (None for argmax)."""
@@ -613,35 +641,43 @@ class Synthesizer:
                              f"{type(self.audio_tokenizer).__name__} gives no code vectors")  # fmt: skip
         return [v.to(self.device) for v in get()]
 
-    def synthesize(
-        self, items: list[Item], *, continual: bool = False,
+    def decode(
+        self, prepared: list[Prepared], *, continual: bool = False,
         options: DecodeOptions = DecodeOptions(),
     ) -> list[torch.Tensor | Failure]:
-        """One (N,) float waveform at 24 kHz per item, or a ``Failure`` for an item that has none."""
-        text, text_lens, prompt_text_lens, token_languages = self._text_tokens(items, continual)
-        langs = self._text_languages(text, token_languages)
-        prompt, prompt_lens = self._prompt_codes(items)
+        """One (N,) float waveform at 24 kHz per prepared unit, decoded as one batch, or a
+        ``Failure`` for a unit that has none (the decoding half of synthesis)."""
+        batch = collate_prepared(prepared, self.collater.pad_id, self.device)
         vectors = self._code_vectors(options.nar_decoding)
         if continual:
-            codes, lens = self.model.continual(text, text_lens, prompt, prompt_lens,
-                                               text_languages=langs, code_vectors=vectors,
-                                               return_lens=True)  # fmt: skip
+            codes, lens = self.model.continual(batch.text, batch.text_lens, batch.prompt,
+                                               batch.prompt_lens, text_languages=batch.text_languages,
+                                               code_vectors=vectors, return_lens=True)  # fmt: skip
         else:
             codes, lens = self.model.inference(
-                text, text_lens, prompt, prompt_lens, prompt_text_lens=prompt_text_lens,
-                text_languages=langs, code_vectors=vectors, return_lens=True,
+                batch.text, batch.text_lens, batch.prompt, batch.prompt_lens,
+                prompt_text_lens=batch.prompt_text_lens, text_languages=batch.text_languages,
+                code_vectors=vectors, return_lens=True,
                 options=dataclasses.replace(options, on_empty="mark"),
             )  # fmt: skip
         out: list[torch.Tensor | Failure] = []
-        for b, item in enumerate(items):
+        for b, unit in enumerate(prepared):
             n = int(lens[b])
             if n == 0:
-                out.append(Failure(item.name, "the AR model emitted EOS as its first token: no "
+                out.append(Failure(unit.name, "the AR model emitted EOS as its first token: no "
                                    "audio (untrained checkpoint, or text/prompt mismatch)"))  # fmt: skip
                 continue
             out.append(decode_codes(codes[b, :n], self.config, self.audio_tokenizer,
                                     self.decoder))
         return out
+
+    def synthesize(
+        self, items: list[Item], *, continual: bool = False,
+        options: DecodeOptions = DecodeOptions(),
+    ) -> list[torch.Tensor | Failure]:
+        """One (N,) float waveform at 24 kHz per item, or a ``Failure`` for an item that has none."""
+        prepared = [self.prepare(item, continual) for item in items]
+        return self.decode(prepared, continual=continual, options=options)
 
 
 def write_wav(path: Path, wav: torch.Tensor) -> None:

@@ -155,15 +155,15 @@ def test_prompt_and_text_are_phonemized_in_their_own_languages(setup):
     model = tiny_model("valle", 4).eval()
     synth = Synthesizer(model, table, FakeCodec(), "cpu", language="cmn", prompt_language="en-us")
     item = Item("the dog", str(prompt), "你好", Path("x.wav"), "item 0")
-    tokens, lens, prompt_lens, _ = synth._text_tokens([item], continual=False)
+    unit = synth.prepare(item)
     en = TextTokenizer()(["the dog"], language="en-us")[0]
     cmn = TextTokenizer()(["你好"], language="cmn")[0]
     ids = [synth.collater.symbol_table.get(s) for s in en + [WORD_SEP] + cmn]
-    assert tokens[0].tolist() == [synth.collater.bos_id, *ids, synth.collater.eos_id]
-    assert prompt_lens.tolist() == [len(en) + 1]
+    assert unit.text.tolist() == [synth.collater.bos_id, *ids, synth.collater.eos_id]
+    assert unit.prompt_text_len == len(en) + 1
     # One language for both: English espeak cannot read the Mandarin text (issue #42).
     with pytest.raises(InputError, match="item 0: the text has Han letters"):
-        Synthesizer(model, table, FakeCodec(), "cpu", language="en-us")._text_tokens([item], False)
+        Synthesizer(model, table, FakeCodec(), "cpu", language="en-us").prepare(item)
 
 
 def test_long_text_is_split_into_sentences_and_joined(setup, tmp_path):
@@ -179,9 +179,9 @@ def test_long_text_is_split_into_sentences_and_joined(setup, tmp_path):
     assert synthesize_items(synth, [item], args).written == [tmp_path / "long.wav"]
     wav, _ = sf.read(str(tmp_path / "long.wav"))
     # Each sentence runs to the cap (1 frame per text token: its phonemes + prompt + bos/eos).
-    ids = synth._text_tokens([Item("the dog", "", "the dog.", Path(), ""),
-                              Item("the dog", "", "a fox!", Path(), "")], False)[1]  # fmt: skip
-    assert wav.shape == (int(ids.sum()) * 320 + 12000,)
+    ids = sum(synth.prepare(Item("the dog", str(prompt), text, Path(), "")).text.numel()
+              for text in ("the dog.", "a fox!"))  # fmt: skip
+    assert wav.shape == (ids * 320 + 12000,)
 
 
 def test_read_items_prompt_join_and_messages(setup):
@@ -212,10 +212,8 @@ def test_read_items_prompt_join_and_messages(setup):
 def test_concatenated_prompts_are_joined_in_time(setup):
     _, table, prompt = setup
     synth = Synthesizer(tiny_model("valle", 1).eval(), table, FakeCodec(), "cpu")
-    codes, lens = synth._prompt_codes(
-        [Item("a b", [str(prompt), str(prompt)], "x", Path(), "item 0")]
-    )
-    assert lens.tolist() == [30] and torch.equal(codes[0, :15], codes[0, 15:])  # 2 x 15 frames
+    codes = synth.prepare(Item("the dog", [str(prompt), str(prompt)], "a fox", Path(), "item 0")).prompt
+    assert codes.shape[0] == 30 and torch.equal(codes[:15], codes[15:])  # 2 x 15 frames
 
 
 def test_checkpoint_dir_picks_best_validation(tmp_path):
@@ -276,13 +274,13 @@ def test_cross_lingual_synthesis(setup, tmp_path):
     _, table, prompt = setup
     model, synth = _bilingual(table, "cmn")
     item = Item("the dog", str(prompt), "你好", tmp_path / "x.wav", "item 0")
-    tokens, _, prompt_lens, token_languages = synth._text_tokens([item], continual=False)
-    langs = synth._text_languages(tokens, token_languages)
-    n_prompt = int(prompt_lens[0]) + 1  # BOS + the English transcript (+ word separator)
-    assert langs[0, :n_prompt].tolist() == [0] * n_prompt
-    assert langs[0, n_prompt:].tolist() == [1] * (tokens.shape[1] - n_prompt)
+    unit = synth.prepare(item)
+    langs = unit.text_languages
+    n_prompt = unit.prompt_text_len + 1  # BOS + the English transcript (+ word separator)
+    assert langs[:n_prompt].tolist() == [0] * n_prompt
+    assert langs[n_prompt:].tolist() == [1] * (unit.text.numel() - n_prompt)
     [wav] = synth.synthesize([item], options=DecodeOptions(top_k=1, max_len_ratio=1.0))
-    assert wav.numel() == tokens.shape[1] * 320
+    assert wav.numel() == unit.text.numel() * 320
     with pytest.raises(InputError, match="pass --languages"):
         Synthesizer(model, table, FakeCodec(), "cpu", language="cmn")
     with pytest.raises(InputError, match="--language fr-fr: not one of"):
@@ -324,18 +322,18 @@ def test_language_auto_says_each_script_in_its_language(setup, tmp_path):
     _, table, prompt = setup
     _, synth = _bilingual(table, "auto")
     item = Item("the dog", str(prompt), "你好 the fox。", tmp_path / "x.wav", "item 0")
-    tokens, _, _, token_languages = synth._text_tokens([item], continual=False)
+    unit = synth.prepare(item)
     en, cmn = TextTokenizer(), TextTokenizer(language="cmn")
     said = [en(["the dog"])[0], [WORD_SEP], cmn(["你好"])[0], [WORD_SEP], en(["the fox."])[0]]
     ids = [synth.collater.symbol_table.get(s) for part in said for s in part]
-    assert tokens[0].tolist() == [synth.collater.bos_id, *ids, synth.collater.eos_id]
+    assert unit.text.tolist() == [synth.collater.bos_id, *ids, synth.collater.eos_id]
     # BOS, the prompt and its separator in English; the Han run (and the separator after it) in
     # Mandarin; the English words and EOS in English: ids in the checkpoint's order
     lengths = [1 + len(said[0]) + 1, len(said[2]) + 1, len(said[4]) + 1]
     expected = [0] * lengths[0] + [1] * lengths[1] + [0] * lengths[2]
-    assert synth._text_languages(tokens, token_languages)[0].tolist() == expected
+    assert unit.text_languages.tolist() == expected
     [wav] = synth.synthesize([item], options=DecodeOptions(top_k=1, max_len_ratio=1.0))
-    assert wav.numel() == tokens.shape[1] * 320
+    assert wav.numel() == unit.text.numel() * 320
     # a script none of the model's languages reads is refused, naming it
     problem = synth.text_problem(Item("the dog", str(prompt), "Привет", Path(), "item 1"))
     assert problem.field == "text" and "Cyrillic letters ('Привет'): none of this checkpoint's" in problem.message
