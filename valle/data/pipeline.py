@@ -7,7 +7,10 @@ Per part, the cuts (one per supervision) are processed in chunks of ``chunk_size
    of about ``batch_duration`` seconds encoded on ``device``, codes written through a lhotse
    writer (``NumpyHdf5Writer``, one HDF5 file per chunk: exact int16, no file per cut);
 3. the chunk's cuts, report lines and statistics are written atomically; a restart skips
-   finished chunks, so a crash loses at most one chunk.
+   finished chunks, so a crash loses at most one chunk. Every file of a chunk appears only
+   complete (``publish``: written under a ``.tmp.`` name, fsynced, renamed), its meta last,
+   and no process of a killed worker holds one (``valle.data.workers``): a relaunch may
+   come at once.
 
 When every chunk is done the chunk files are joined into ``{prefix}_cuts_{part}.{suffix}``,
 the bad-item report, statistics and extremes record (``valle.data.extremes``: what the
