@@ -11,8 +11,9 @@ Output: {output-dir}/{prefix}_cuts_{part}.{suffix}      one cut per supervision,
         {output-dir}/unique_text_tokens.k2symbols         symbol table (k2 format, merged under a lock)
 
 Restartable: a part whose cuts file exists is skipped; inside a part, finished chunks
-(--chunk-size cuts) are kept, so a crash loses at most one chunk. Parts may run as parallel
-jobs into the same --output-dir.
+(--chunk-size cuts) are kept, so a crash loses at most one chunk, and a relaunch may come at
+once (a killed worker leaves no process holding its chunk). Parts may run as parallel jobs
+into the same --output-dir.
 
 Many workers on one part: `torchrun --nnodes N --nproc-per-node G bin/tokenizer.py ...` (each
 on cuda:LOCAL_RANK), a SLURM job array, or --num-shards N --shard-index K per process. Worker
