@@ -364,6 +364,9 @@ def load_model(
     config = {**dict(payload.get("config") or {}), **hp}
     if hp.get("source_format") == "lifeiteng":
         logger.info("--checkpoint %s: a lifeiteng/vall-e checkpoint, converted", path)
+    elif hp.get("source_format") == "vallex":
+        logger.info("--checkpoint %s: a Plachtaa/VALL-E-X checkpoint (languages %s), converted",
+                    path, ", ".join(hp["languages"]))
     model = get_model(hp)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
