@@ -1,0 +1,73 @@
+"""The vallex-bpe text frontend gives the ids and languages of Plachtaa/VALL-E-X's own tokenizer.
+
+tests/fixtures/vallex/text_frontend.json was written once by VALL-E X's ``PhonemeBpeTokenizer``
+after its ``generate_audio``'s steps (see PROVENANCE.md there); ``bpe_69.json`` is VALL-E X's
+vocabulary (MIT), copied with attribution.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+for _module in ("tokenizers", "inflect", "unidecode", "eng_to_ipa", "cn2an", "jieba", "pypinyin", "langid"):
+    pytest.importorskip(_module, reason="the vallex extra: pip install -e '.[vallex]'")
+
+from valle.data.vallex_text import (  # noqa: E402
+    FrontendError,
+    VallexTokenizer,
+    detect_language,
+    pyopenjtalk_module,
+)
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vallex"
+CASES = json.loads((FIXTURE / "text_frontend.json").read_text(encoding="utf-8"))["cases"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return VallexTokenizer(FIXTURE / "bpe_69.json")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c['language']}:{c['text'][:24]}" for c in CASES])
+def test_equal_to_vallex_tokenizer(tokenizer, case):
+    ids, languages = tokenizer.encode(case["text"], case["language"])
+    assert ids == case["ids"]
+    assert languages == case["languages"]
+
+
+def test_fixture_covers_every_kind_of_text():
+    kinds = {c["language"] for c in CASES}
+    assert kinds == {"en", "zh", "mix", "auto"}
+    assert {c["resolved"] for c in CASES if c["language"] == "auto"} == {"en", "zh"}
+    mixed = [c for c in CASES if c["language"] == "mix"]
+    assert all(set(c["languages"]) == {"en", "zh"} for c in mixed)
+
+
+def test_auto_detects_among_its_three_languages():
+    assert detect_language("Guten Morgen, wie geht es dir?") in ("en", "zh", "ja")
+    assert detect_language("我们明天去北京。") == "zh"
+
+
+def test_bad_input_is_refused_by_name(tokenizer, tmp_path):
+    with pytest.raises(FrontendError, match="language 'fr'"):
+        tokenizer.encode("bonjour", "fr")
+    with pytest.raises(FrontendError, match="gave no phonemes"):
+        tokenizer.encode("hello", "mix")  # untagged mixed text: nothing to say
+    with pytest.raises(FrontendError, match=r"missing\.json is not there.*--bpe-vocab"):
+        VallexTokenizer(tmp_path / "missing.json")
+
+
+def test_japanese_without_its_dictionary_is_refused_by_name(tokenizer):
+    try:
+        pyopenjtalk_module()
+    except FrontendError:
+        pass
+    else:
+        pytest.skip("pyopenjtalk and its dictionary are installed here")
+    with pytest.raises(FrontendError, match=r"Japanese \(ja\) needs pyopenjtalk"):
+        tokenizer.encode("こんにちは", "ja")
+    # English and Mandarin still work
+    assert tokenizer.encode("Hello.", "en")[0] and tokenizer.encode("你好。", "zh")[0]
