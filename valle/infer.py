@@ -135,6 +135,69 @@ def collate_prepared(prepared: list[Prepared], pad_id: int, device) -> PreparedB
     )  # fmt: skip
 
 
+class _PadOnly(NamedTuple):
+    """What ``decode`` reads of a collater: the text's padding id."""
+
+    pad_id: int
+
+
+# ------------------------------------------------------------ VALL-E X prompts
+VALLEX_FRONTEND = "vallex-bpe"
+PROMPT_FILE_SUFFIX = ".npz"
+# Spellings users of this project's espeak frontend type, for VALL-E X's three languages.
+_VALLEX_ALIASES = {"en-us": "en", "en-gb": "en", "english": "en", "cmn": "zh", "zh-cn": "zh",
+                   "mandarin": "zh", "chinese": "zh", "jpn": "ja", "japanese": "ja"}  # fmt: skip
+
+
+class PromptFile(NamedTuple):
+    codes: torch.Tensor  # (P, Q)
+    text_ids: list[int]
+    language: str
+
+
+def is_prompt_file(path: str) -> bool:
+    return str(path).lower().endswith(PROMPT_FILE_SUFFIX)
+
+
+def read_prompt_file(path: str, name: str) -> PromptFile:
+    """A VALL-E X prompt (``.npz``: ``audio_tokens`` (1, P, 8), ``text_tokens`` (1, S) and
+    ``lang_code``, numbered as its ``macros.lang2code``: zh 0, ja 1, en 2)."""
+    import numpy as np
+
+    from valle.data.vallex_text import PROMPT_FILE_LANGUAGES
+
+    keys = ("audio_tokens", "text_tokens", "lang_code")
+    try:
+        with np.load(path) as data:
+            fields = {k: data[k] for k in keys if k in data.files}
+    except Exception as e:  # missing, not an npz
+        raise InputError(f"{name}: cannot read prompt file {path}: {e}") from e
+    missing = [k for k in keys if k not in fields]
+    if missing:
+        raise InputError(f"{name}: prompt file {path} lacks {', '.join(missing)} (a VALL-E X "
+                         "prompt holds audio_tokens, text_tokens and lang_code)")  # fmt: skip
+    audio = fields["audio_tokens"]
+    codes = torch.from_numpy(audio.astype("int64")).reshape(-1, audio.shape[-1])
+    code = int(np.asarray(fields["lang_code"]).reshape(-1)[0])
+    if code not in PROMPT_FILE_LANGUAGES:
+        raise InputError(f"{name}: prompt file {path}: lang_code {code} is none of VALL-E X's "
+                         f"{PROMPT_FILE_LANGUAGES}")  # fmt: skip
+    return PromptFile(codes, [int(i) for i in fields["text_tokens"].reshape(-1)],
+                      PROMPT_FILE_LANGUAGES[code])  # fmt: skip
+
+
+def vallex_language(language: str, table: list[str], flag: str) -> str:
+    """A VALL-E X checkpoint's language by its name (or auto/mix)."""
+    from valle.data.vallex_text import AUTO as VALLEX_AUTO
+    from valle.data.vallex_text import MIX
+
+    lang = _VALLEX_ALIASES.get(str(language).lower(), str(language).lower())
+    if lang not in (*table, VALLEX_AUTO, MIX):
+        raise InputError(f"{flag} {language}: this VALL-E X checkpoint reads {', '.join(table)}, "
+                         f"{MIX} ([EN]..[EN][ZH]..[ZH] tagged text) or {VALLEX_AUTO}")  # fmt: skip
+    return lang
+
+
 # ------------------------------------------------------------------- arguments
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -146,7 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{BEST_CHECKPOINT}, else its newest epoch-*.pt")  # fmt: skip
     p.add_argument("--text-prompts", default="",
                    help="transcript of the prompt audio; several joined by '|' (see --prompt-join)")  # fmt: skip
-    p.add_argument("--audio-prompts", default="", help="prompt wav file(s), several joined by '|'")
+    p.add_argument("--audio-prompts", default="",
+                   help="prompt wav file(s), several joined by '|'; a VALL-E X checkpoint also "
+                        "takes its .npz prompts (codes, text ids and language: no --text-prompts)")  # fmt: skip
     p.add_argument("--text", default="", help="text(s) to synthesise, several joined by '|'")
     p.add_argument("--prompt-join", default="concat", choices=["concat", "pair"],
                    help="several prompts: concat = one prompt made of all of them, used for every "
@@ -179,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the base with the adapters merged into its weights to OUT (a normal "
                         "checkpoint), then synthesise if there is text")  # fmt: skip
     p.add_argument("--text-tokens", default=None, help="symbol table; default: the checkpoint's")
+    p.add_argument("--bpe-vocab", default=None,
+                   help="Plachtaa/VALL-E-X checkpoints (text frontend vallex-bpe): its "
+                        "utils/g2p/bpe_69.json; default: bpe_69.json next to the checkpoint")  # fmt: skip
     p.add_argument("--language", default="en-us",
                    help="espeak language of --text; auto: each sentence in the language of its "
                         "script that the checkpoint's symbol table covers (docs/inference.md)")  # fmt: skip
@@ -222,6 +290,8 @@ def read_items(args: argparse.Namespace) -> list[Item]:
     prompts, wavs, texts = _split(args.text_prompts), _split(args.audio_prompts), _split(args.text)
     if not wavs:
         raise InputError("--audio-prompts is required (or --tsv)")
+    if not prompts and all(is_prompt_file(w) for w in wavs):
+        prompts = [""] * len(wavs)  # VALL-E X .npz prompts carry their text ids
     if not prompts:
         raise InputError(
             "--text-prompts is required: the transcript of --audio-prompts "
@@ -448,10 +518,18 @@ class Synthesizer:
         decoder=None,
     ):
         """``decoder``: what turns codes into audio instead of the codec's own decoder
-        (--decoder vocos: a ``VocosDecoder``); None: the codec's."""
+        (--decoder vocos: a ``VocosDecoder``); None: the codec's. ``symbol_table_path``: the
+        checkpoint's text vocabulary, a symbol table, or for a checkpoint whose config names
+        the ``vallex-bpe`` text frontend (Plachtaa/VALL-E-X) its ``bpe_69.json``."""
         from valle.data.symbols import SymbolTable
         from valle.data.text import TextTokenCollater, TextTokenizer
 
+        self.config = dict(checkpoint_config or {})
+        self.frontend = self.config.get("text_frontend") or "espeak"
+        if self.frontend == VALLEX_FRONTEND:
+            self._init_vallex(model, symbol_table_path, device, language, prompt_language,
+                              audio_tokenizer, decoder)  # fmt: skip
+            return
         path = Path(symbol_table_path)
         if not path.is_file():
             raise InputError(f"symbol table {path} not found (pass --text-tokens)")
@@ -468,7 +546,6 @@ class Synthesizer:
         self.collater = TextTokenCollater(table, add_bos=True, add_eos=True)
         self.audio_tokenizer = audio_tokenizer
         self.decoder = decoder
-        self.config = dict(checkpoint_config or {})
         self.language_ids = self._language_ids(model, languages or self.config.get("languages"))
         self.text_limit = text_limit(self.config)
         self._phoneme_cache: dict[tuple[str, str], list[str]] = {}
@@ -476,6 +553,31 @@ class Synthesizer:
         # --language auto picks among these (None: the common voices of each script)
         self.auto_languages = (list(self.language_ids) if self.language_ids is not None
                                else split_languages(languages or self.config.get("languages")) or None)  # fmt: skip
+
+    def _init_vallex(self, model, bpe_vocab, device, language, prompt_language, audio_tokenizer,
+                     decoder) -> None:
+        """The vallex-bpe frontend (valle/data/vallex_text.py): VALL-E X's languages by name
+        (en, zh, ja, mix, auto; espeak spellings of those accepted), ids from the checkpoint's
+        language table."""
+        from valle.data.vallex_text import FrontendError, VallexTokenizer
+
+        try:
+            self.text_tokenizer = VallexTokenizer(bpe_vocab)
+        except FrontendError as e:
+            raise InputError(str(e)) from e
+        self.model, self.device = model, torch.device(device)
+        self.audio_tokenizer, self.decoder = audio_tokenizer, decoder
+        table = list(self.config.get("languages") or [])
+        if len(table) != getattr(model, "num_languages", 0):
+            raise InputError(f"the checkpoint's language table {table} does not fit its "
+                             f"{getattr(model, 'num_languages', 0)} language rows")  # fmt: skip
+        self.language_ids = {lang: i for i, lang in enumerate(table)}
+        self.language = vallex_language(language, table, "--language")
+        self.prompt_language = vallex_language(prompt_language or language, table, "--prompt-language")
+        pad = self.text_tokenizer.bpe.token_to_id("[PAD]")
+        self.collater = _PadOnly(0 if pad is None else pad)
+        self.text_limit = None
+        self.auto_languages = None
 
     def _language_ids(self, model, languages) -> dict[str, int] | None:
         """VALL-E X: espeak language -> id, checked against the model and the two languages."""
@@ -568,6 +670,8 @@ class Synthesizer:
     def text_problem(self, item: Item, split_sentences: bool = False) -> TextProblem | None:
         """Why ``item`` cannot be synthesised as given (valle/infer_checks.py), or None: letters
         its languages cannot read, or a text longer than the checkpoint takes in one piece."""
+        if self.frontend == VALLEX_FRONTEND:
+            return self._vallex_problem(item)
         for text, language, field_name in ((item.text, self.language, "text"),
                                            (item.prompt_text, self.prompt_language, "prompt_text")):  # fmt: skip
             segments = self._segments(text, language, field_name)
@@ -590,6 +694,11 @@ class Synthesizer:
 
         if not item.text.strip() and not continual:
             raise InputError(f"{item.name}: the text to synthesise is empty")
+        if self.frontend == VALLEX_FRONTEND:
+            return self._vallex_text_ids(item)
+        if any(is_prompt_file(p) for p in item.prompt_wavs):
+            raise InputError(f"{item.name}: a VALL-E X prompt file (.npz) holds VALL-E X text ids, "
+                             "for a vallex-bpe checkpoint only: give a wav and its transcript")  # fmt: skip
         prompt, prompt_langs = self._said(item.prompt_text, self.prompt_language, "prompt_text", item)
         text, text_langs = self._said(item.text, self.language, "text", item)
         if prompt and text:
@@ -607,8 +716,61 @@ class Synthesizer:
         langs = [self.language_ids[lang] for lang in bos + prompt_langs + text_langs + eos]
         return torch.tensor(ids, dtype=torch.long), len(prompt), torch.tensor(langs, dtype=torch.long)
 
+    def _vallex_encode(self, text: str, language: str, what: str, item: Item) -> tuple[list[int], list[str]]:
+        from valle.data.vallex_text import FrontendError
+
+        try:
+            return self.text_tokenizer.encode(text, language)
+        except FrontendError as e:
+            raise TextError(what, f"{item.name}: {what.replace('_', ' ')} ({language}): {e}") from e
+
+    def _vallex_prompt_text(self, item: Item) -> tuple[list[int], list[str]]:
+        """The prompt's ids and the language of each: from its .npz files (VALL-E X's own
+        prompts), else its transcript. Each prompt's ids take its one language, as VALL-E X
+        gives the whole prompt one."""
+        files = item.prompt_wavs
+        if files and all(is_prompt_file(p) for p in files):
+            ids, langs = [], []
+            for path in files:
+                prompt = read_prompt_file(path, item.name)
+                ids += prompt.text_ids
+                langs += [prompt.language] * len(prompt.text_ids)
+            return ids, langs
+        if any(is_prompt_file(p) for p in files):
+            raise InputError(f"{item.name}: prompt files mix .npz and audio: give one kind")
+        if not item.prompt_text.strip():
+            return [], []
+        ids, langs = self._vallex_encode(item.prompt_text, self.prompt_language, "prompt_text", item)
+        return ids, [langs[0]] * len(ids)
+
+    def _vallex_text_ids(self, item: Item) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """VALL-E X's ids: the prompt's, then the text's (no BOS/EOS), languages per token."""
+        prompt, prompt_langs = self._vallex_prompt_text(item)
+        text, text_langs = [], []
+        if item.text.strip():
+            text, text_langs = self._vallex_encode(item.text, self.language, "text", item)
+        if not prompt and not text:
+            raise InputError(f"{item.name}: empty text (and empty prompt text)")
+        ids = self.language_ids
+        missing = sorted(set(prompt_langs + text_langs) - set(ids))
+        if missing:
+            raise InputError(f"{item.name}: language(s) {missing} not in the checkpoint's table {list(ids)}")
+        langs = [ids[lang] for lang in prompt_langs + text_langs]
+        return (torch.tensor(prompt + text, dtype=torch.long), len(prompt),
+                torch.tensor(langs, dtype=torch.long))  # fmt: skip
+
+    def _vallex_problem(self, item: Item) -> TextProblem | None:
+        try:
+            self._vallex_text_ids(item)
+        except TextError as e:
+            return TextProblem(e.field, str(e))
+        except InputError:
+            return None  # reported by prepare, naming the item
+        return None
+
     def _prompt_codes(self, item: Item) -> torch.Tensor:
-        """The prompt's codes (P, Q): every prompt file of ``item`` encoded, joined in time."""
+        """The prompt's codes (P, Q): every prompt file of ``item`` encoded (a VALL-E X .npz
+        prompt: its codes), joined in time."""
         from valle.codec.audio import load_audio_24k
 
         q = self.model.num_quantizers
@@ -616,6 +778,13 @@ class Synthesizer:
             raise InputError(f"{item.name}: no prompt audio file")
         parts = []
         for wav_path in item.prompt_wavs:
+            if is_prompt_file(wav_path):
+                c = read_prompt_file(wav_path, item.name).codes
+                if c.shape[1] < q:
+                    raise InputError(f"{item.name}: prompt {wav_path} has {c.shape[1]} codebooks, "
+                                     f"the model needs {q}")  # fmt: skip
+                parts.append(c[:, :q])
+                continue
             try:
                 wav = load_audio_24k(wav_path)
             except Exception as e:  # unreadable, missing, empty: the message names the file
@@ -773,7 +942,10 @@ def load_for_synthesis(args: argparse.Namespace, device: torch.device):
     a ``Synthesizer`` per request language. Bad input raises ``InputError``."""
     model, config = load_model(args.checkpoint, device, args.use_averaged_model, DTYPES[args.dtype],
                                lora=getattr(args, "lora", None))
-    table = args.text_tokens or config.get("text_tokens")
+    if config.get("text_frontend") == VALLEX_FRONTEND:
+        table = vallex_vocab(args)
+    else:
+        table = args.text_tokens or config.get("text_tokens")
     if not table:
         raise InputError("the checkpoint names no text_tokens symbol table: pass --text-tokens")
     if not Path(table).is_file():  # before the codec loads: a lifeiteng checkpoint names its recipe's path
@@ -788,6 +960,19 @@ def load_for_synthesis(args: argparse.Namespace, device: torch.device):
     except (FileNotFoundError, CodecMismatchError) as e:
         raise InputError(str(e)) from e
     return model, config, table, audio_tokenizer
+
+
+def vallex_vocab(args: argparse.Namespace) -> str:
+    """A vallex-bpe checkpoint's BPE vocabulary: --bpe-vocab, else bpe_69.json beside the file."""
+    from valle.data.vallex_text import BPE_VOCAB
+
+    given = getattr(args, "bpe_vocab", None)
+    path = Path(given) if given else select_checkpoint(args.checkpoint).parent / BPE_VOCAB
+    if not path.is_file():
+        raise InputError(f"{'--bpe-vocab' if given else 'the VALL-E X vocabulary'} {path} not found: "
+                         f"put Plachtaa/VALL-E-X's utils/g2p/{BPE_VOCAB} next to the checkpoint or "
+                         "pass --bpe-vocab")  # fmt: skip
+    return str(path)
 
 
 def run(args: argparse.Namespace) -> RunResult:
