@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--checkpoint", required=True,
-                   help="a checkpoint of bin/trainer.py or lifeiteng/vall-e; an exp dir: its "
+                   help="a checkpoint of bin/trainer.py, lifeiteng/vall-e or Plachtaa/VALL-E-X; "
+                        "hf:OWNER/REPO/FILE: from the Hugging Face hub's cache; an exp dir: its "
                         f"{BEST_CHECKPOINT}, else its newest epoch-*.pt")  # fmt: skip
     p.add_argument("--text-prompts", default="",
                    help="transcript of the prompt audio; several joined by '|' (see --prompt-join)")  # fmt: skip
@@ -381,7 +382,12 @@ def select_checkpoint(path: str | Path) -> Path:
     The last epoch is not the best when validation loss rose (a tiny corpus overfits
     fast): ``best-valid-loss.pt`` is what the trainer keeps for synthesis.
     """
-    path = Path(path)
+    from valle.models.convert import CheckpointError, resolve_checkpoint
+
+    try:
+        path = resolve_checkpoint(path)  # hf:OWNER/REPO/FILE: from the hub's cache
+    except CheckpointError as e:
+        raise InputError(f"--checkpoint: {e}") from e
     if not path.is_dir():
         return path
     best = path / BEST_CHECKPOINT

@@ -92,3 +92,48 @@ def test_a_vallex_checkpoint_with_more_language_rows_needs_their_names(tmp_path)
     torch.save(payload, tmp_path / "four.pt")
     _, hp = load_model_checkpoint(tmp_path / "four.pt")
     assert hp["languages"] == ["en", "zh", "ja", "ko"] and hp["num_languages"] == 4
+
+
+def _hub_cache(root: Path) -> Path:
+    """A Hugging Face hub cache holding Plachta/VALL-E-X's checkpoint (the tiny one), as
+    huggingface_hub lays it out: the blob named by its sha256, the snapshot linking to it."""
+    import hashlib
+
+    data = (FIXTURE / "vallex_tiny.pt").read_bytes()
+    repo, commit = root / "models--Plachta--VALL-E-X", "0" * 40
+    (repo / "blobs").mkdir(parents=True)
+    blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+    blob.write_bytes(data)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "vallex-checkpoint.pt").symlink_to(blob)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return root
+
+
+@pytest.mark.timeout(120)
+def test_hub_names_resolve_offline_from_a_prefilled_cache(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("huggingface_hub")
+    cache = _hub_cache(tmp_path / "hub")
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    code = (
+        "from valle.models.convert import load_model_checkpoint, CheckpointError\n"
+        "_, hp = load_model_checkpoint('hf:Plachta/VALL-E-X/vallex-checkpoint.pt')\n"
+        "print(hp['source_format'], hp['languages'])\n"
+        "try:\n"
+        "    load_model_checkpoint('hf:Plachta/VALL-E-X/other.pt')\n"
+        "except CheckpointError as e:\n"
+        "    print(e)\n"
+    )  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=100, check=True).stdout.splitlines()  # fmt: skip
+    assert out[0] == "vallex ['en', 'zh', 'ja']"
+    assert out[1].startswith(
+        f"checkpoint hf:Plachta/VALL-E-X/other.pt: Plachta/VALL-E-X/other.pt is not in the hub cache {cache}"
+    )
+    with pytest.raises(CheckpointError, match="hf:OWNER/REPO/FILE"):
+        load_model_checkpoint("hf:Plachta/vallex-checkpoint.pt")

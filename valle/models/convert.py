@@ -64,8 +64,33 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file and the reason."""
 
 
+HUB_PREFIX = "hf:"
+
+
+def resolve_checkpoint(name: str | Path) -> Path:
+    """A local path, or ``hf:OWNER/REPO/FILE`` (e.g. ``hf:Plachta/VALL-E-X/vallex-checkpoint.pt``):
+    that file of a Hugging Face hub repository, from the hub's cache (``HF_HUB_CACHE``), else
+    downloaded into it (checked against the hub's sha256) where the network is there."""
+    text = str(name)
+    if not text.startswith(HUB_PREFIX):
+        return Path(name)
+    parts = text[len(HUB_PREFIX) :].split("/", 2)
+    if len(parts) < 3 or not all(parts):
+        raise CheckpointError(f"checkpoint {text}: a hub checkpoint is named hf:OWNER/REPO/FILE")
+    from valle.codec.weights import HubRepoFile, one_line
+
+    hub = HubRepoFile(f"{parts[0]}/{parts[1]}", parts[2])
+    cached = hub.cached()
+    if cached is not None:
+        return cached
+    try:
+        return hub.download()
+    except Exception as e:  # offline, no such repository or file, huggingface_hub missing
+        raise CheckpointError(f"checkpoint {text}: {hub.missing()} ({one_line(e)})") from e
+
+
 def load_payload(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
+    path = resolve_checkpoint(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path}: no such file")
     try:
