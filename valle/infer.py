@@ -266,8 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random EnCodec weights when none are found (tests only: the audio is noise)")  # fmt: skip
     p.add_argument("--text-extractor", default="espeak", choices=["espeak", "pypinyin"],
                    help="text front-end; pypinyin: Mandarin characters -> pinyin with tones")  # fmt: skip
-    p.add_argument("--decoder", default="encodec", choices=["encodec", "vocos"],
-                   help="codes -> audio: EnCodec's decoder, or Vocos (EnCodec-coded corpora only)")  # fmt: skip
+    p.add_argument("--decoder", default="auto", choices=["auto", "encodec", "vocos"],
+                   help="codes -> audio: EnCodec's decoder, or Vocos (EnCodec-coded corpora only); "
+                        "auto: Vocos for a Plachtaa/VALL-E-X checkpoint (as it decodes) where its "
+                        "weights are on disk, else EnCodec's")  # fmt: skip
     p.add_argument("--vocos-checkpoint", default=None,
                    help="Vocos pytorch_model.bin (charactr/vocos-encodec-24khz); default: hub cache")  # fmt: skip
     p.add_argument("--allow-random-vocos", action="store_true",
@@ -994,7 +996,10 @@ def run(args: argparse.Namespace) -> RunResult:
     vocos_weights = resolve_vocos(args)
     torch.manual_seed(args.seed)
     model, config, table, audio_tokenizer = load_for_synthesis(args, device)
-    decoder = build_vocos(config, device, vocos_weights, args) if args.decoder == "vocos" else None
+    if args.decoder == "vocos":
+        decoder = build_vocos(config, device, vocos_weights, args)
+    else:
+        decoder = auto_vocos(config, device, args) if args.decoder == "auto" else None
     synth = Synthesizer(model, table, audio_tokenizer, device, language=args.language,
                         prompt_language=args.prompt_language, checkpoint_config=config,
                         languages=args.languages, text_extractor=args.text_extractor,
@@ -1012,6 +1017,23 @@ def resolve_vocos(args: argparse.Namespace):
         return resolve_vocos_weights(args.vocos_checkpoint, args.allow_random_vocos)
     except VocosWeightsError as e:
         raise InputError(str(e)) from e
+
+
+def auto_vocos(config: dict[str, Any], device, args: argparse.Namespace):
+    """--decoder auto: Vocos for a VALL-E X checkpoint (Plachtaa/VALL-E-X decodes with
+    charactr/vocos-encodec-24khz) when its weights are on disk (--vocos-checkpoint or the hub
+    cache; never a download); otherwise EnCodec's decoder, with a line saying why."""
+    if config.get("text_frontend") != VALLEX_FRONTEND:
+        return None
+    from valle.codec.vocos import VocosWeightsError, resolve_vocos_weights
+
+    try:
+        weights = resolve_vocos_weights(args.vocos_checkpoint, False, download=False)
+        return build_vocos(config, device, weights, args)
+    except (ImportError, VocosWeightsError, InputError) as e:
+        logger.info("decoding with EnCodec's decoder: Vocos, which VALL-E X decodes with, is not "
+                    "usable here (%s); --decoder vocos makes it an error", str(e).splitlines()[0])
+        return None
 
 
 def build_vocos(config: dict[str, Any], device, weights, args: argparse.Namespace):

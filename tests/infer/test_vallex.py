@@ -149,3 +149,28 @@ def test_npz_prompts_need_no_transcript_and_bad_ones_are_named(vallex, tmp_path)
     with pytest.raises(InputError, match="--language fr: this VALL-E X checkpoint reads en, zh, ja"):
         Synthesizer(model, tmp / "bpe_69.json", RecordingCodec(), "cpu", language="fr",
                     checkpoint_config=config)  # fmt: skip
+
+
+def test_decoder_auto_takes_vocos_for_vallex_where_its_weights_are_on_disk(vallex, monkeypatch, caplog):
+    import logging
+
+    import valle.codec.vocos as vocos
+    import valle.infer as infer
+
+    _, _, config = vallex
+    args = build_parser().parse_args(["--checkpoint", "x"])
+    assert args.decoder == "auto"
+    built = []
+    monkeypatch.setattr(infer, "build_vocos", lambda config, device, weights, args: built.append(weights) or "vocos")
+    monkeypatch.setattr(vocos, "resolve_vocos_weights", lambda path, allow_random, download=True: (
+        Path("/cache/vocos.bin") if not download else pytest.fail("auto must not download")))  # fmt: skip
+    assert infer.auto_vocos(config, "cpu", args) == "vocos" and built == [Path("/cache/vocos.bin")]
+    assert infer.auto_vocos({"languages": ["en"]}, "cpu", args) is None  # not VALL-E X: EnCodec
+
+    def absent(path, allow_random, download=True):
+        raise vocos.VocosWeightsError("Vocos weights are not in the hub cache")
+
+    monkeypatch.setattr(vocos, "resolve_vocos_weights", absent)
+    with caplog.at_level(logging.INFO):
+        assert infer.auto_vocos(config, "cpu", args) is None
+    assert "decoding with EnCodec's decoder: Vocos" in caplog.text and "not in the hub cache" in caplog.text
