@@ -248,7 +248,7 @@ def _japanese_romaji(text: str) -> str:
 
 
 def japanese_ipa(text: str) -> str:
-    """Japanese -> IPA as VALL-E X writes it (untested here: no dictionary, see the docs)."""
+    """Japanese -> IPA as VALL-E X writes it (sokuon and hatsuon assimilated)."""
     text = _japanese_romaji(text).replace("...", "…")
     for pattern, repl in _SOKUON + _HATSUON:
         text = re.sub(pattern, repl, text)
