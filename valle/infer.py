@@ -253,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "script that the checkpoint's symbol table covers (docs/inference.md)")  # fmt: skip
     p.add_argument("--prompt-language", default=None,
                    help="espeak language of --text-prompts (default: --language)")  # fmt: skip
+    p.add_argument("--accent", default=None,
+                   help="Plachtaa/VALL-E-X checkpoints: say the whole text with this language's "
+                        "embedding (en, zh, ja), as VALL-E X's accent option; default: each token "
+                        "its own language")  # fmt: skip
     p.add_argument("--languages", default=None,
                    help="VALL-E X models (--num-languages > 0): the languages in id order, comma "
                         "separated; default: the checkpoint config's 'languages'")  # fmt: skip
@@ -524,6 +528,7 @@ class Synthesizer:
         languages: list[str] | str | None = None,
         text_extractor: str = "espeak",
         decoder=None,
+        accent: str | None = None,
     ):
         """``decoder``: what turns codes into audio instead of the codec's own decoder
         (--decoder vocos: a ``VocosDecoder``); None: the codec's. ``symbol_table_path``: the
@@ -537,7 +542,13 @@ class Synthesizer:
         if self.frontend == VALLEX_FRONTEND:
             self._init_vallex(model, symbol_table_path, device, language, prompt_language,
                               audio_tokenizer, decoder)  # fmt: skip
+            # VALL-E X's accent option: every token of the text in this one language
+            self.accent = vallex_language(accent, list(self.language_ids), "--accent") if accent else None
+            if self.accent not in (None, *self.language_ids):
+                raise InputError(f"--accent {accent}: one of {', '.join(self.language_ids)}")
             return
+        if accent:
+            raise InputError("--accent is for Plachtaa/VALL-E-X checkpoints (text frontend vallex-bpe)")
         path = Path(symbol_table_path)
         if not path.is_file():
             raise InputError(f"symbol table {path} not found (pass --text-tokens)")
@@ -757,6 +768,8 @@ class Synthesizer:
         text, text_langs = [], []
         if item.text.strip():
             text, text_langs = self._vallex_encode(item.text, self.language, "text", item)
+            if self.accent:
+                text_langs = [self.accent] * len(text)
         if not prompt and not text:
             raise InputError(f"{item.name}: empty text (and empty prompt text)")
         ids = self.language_ids
@@ -1003,7 +1016,7 @@ def run(args: argparse.Namespace) -> RunResult:
     synth = Synthesizer(model, table, audio_tokenizer, device, language=args.language,
                         prompt_language=args.prompt_language, checkpoint_config=config,
                         languages=args.languages, text_extractor=args.text_extractor,
-                        decoder=decoder)  # fmt: skip
+                        decoder=decoder, accent=args.accent)  # fmt: skip
     return synthesize_items(synth, items, args)
 
 

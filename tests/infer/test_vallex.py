@@ -174,3 +174,20 @@ def test_decoder_auto_takes_vocos_for_vallex_where_its_weights_are_on_disk(valle
     with caplog.at_level(logging.INFO):
         assert infer.auto_vocos(config, "cpu", args) is None
     assert "decoding with EnCodec's decoder: Vocos" in caplog.text and "not in the hub cache" in caplog.text
+
+
+def test_accent_gives_every_text_token_one_language(vallex, tmp_path):
+    tmp, model, config = vallex
+    prompt = write_prompt(tmp_path / "p.npz", torch.zeros(1, 4, 8, dtype=torch.long), [16, 21], lang_code=2)
+    item = Item("", str(prompt), "Hello.", tmp_path / "o.wav", "item 0")
+    plain, accented = (
+        Synthesizer(model, tmp / "bpe_69.json", RecordingCodec(), "cpu", language="en",
+                    checkpoint_config=config, accent=accent).prepare(item)
+        for accent in (None, "zh")
+    )  # fmt: skip
+    assert torch.equal(plain.text, accented.text)
+    assert plain.text_languages.tolist() == [0] * plain.text.numel()
+    assert accented.text_languages.tolist() == [0, 0] + [1] * (plain.text.numel() - 2)
+    with pytest.raises(InputError, match="--accent mix: one of en, zh, ja"):
+        Synthesizer(model, tmp / "bpe_69.json", RecordingCodec(), "cpu", checkpoint_config=config,
+                    accent="mix")  # fmt: skip
