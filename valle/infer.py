@@ -144,9 +144,6 @@ class _PadOnly(NamedTuple):
 # ------------------------------------------------------------ VALL-E X prompts
 VALLEX_FRONTEND = "vallex-bpe"
 PROMPT_FILE_SUFFIX = ".npz"
-# Spellings users of this project's espeak frontend type, for VALL-E X's three languages.
-_VALLEX_ALIASES = {"en-us": "en", "en-gb": "en", "english": "en", "cmn": "zh", "zh-cn": "zh",
-                   "mandarin": "zh", "chinese": "zh", "jpn": "ja", "japanese": "ja"}  # fmt: skip
 
 
 class PromptFile(NamedTuple):
@@ -189,9 +186,9 @@ def read_prompt_file(path: str, name: str) -> PromptFile:
 def vallex_language(language: str, table: list[str], flag: str) -> str:
     """A VALL-E X checkpoint's language by its name (or auto/mix)."""
     from valle.data.vallex_text import AUTO as VALLEX_AUTO
-    from valle.data.vallex_text import MIX
+    from valle.data.vallex_text import MIX, language_code
 
-    lang = _VALLEX_ALIASES.get(str(language).lower(), str(language).lower())
+    lang = language_code(language)
     if lang not in (*table, VALLEX_AUTO, MIX):
         raise InputError(f"{flag} {language}: this VALL-E X checkpoint reads {', '.join(table)}, "
                          f"{MIX} ([EN]..[EN][ZH]..[ZH] tagged text) or {VALLEX_AUTO}")  # fmt: skip

@@ -79,3 +79,33 @@ def test_japanese_without_its_dictionary_is_refused_by_name(tokenizer, monkeypat
         tokenizer.encode("こんにちは", "ja")
     # English and Mandarin still work
     assert tokenizer.encode("Hello.", "en")[0] and tokenizer.encode("你好。", "zh")[0]
+
+
+VOICE = {"en": "en-us", "zh": "cmn", "ja": "ja", "mix": "mix", "auto": "auto"}
+
+
+def test_a_corpus_tokenized_with_it_trains_on_the_frontend_ids(tmp_path):
+    """bin/tokenizer.py --text-extractor vallex-bpe stores per cut the symbols that the table
+    of ``python -m valle.data.vallex_text symbols`` maps to the frontend's ids; the collater
+    adds no BOS/EOS (VALL-E X's text has none)."""
+    from valle.data.collation import get_text_token_collater
+    from valle.data.text import TextTokenizer
+    from valle.data.vallex_text import main
+
+    table = tmp_path / "vallex.k2symbols"
+    assert main(["symbols", "--bpe-vocab", str(FIXTURE / "bpe_69.json"), "--output", str(table)]) == 0
+    collater = get_text_token_collater(table)
+    text = TextTokenizer("en-us", backend="vallex-bpe")
+    japanese = _japanese_here()
+    for case in CASES:
+        if "ja" in case["languages"] and not japanese:
+            continue
+        if 0 in case["ids"]:  # VALL-E X's [UNK]: bin/tokenizer.py reports the cut instead
+            with pytest.raises(KeyError, match="unknown text symbol"):
+                collater.encode(text.phonemize_one(case["text"], VOICE[case["language"]]).symbols)
+            continue
+        # the corpus's language as bin/tokenizer.py passes it: an espeak voice
+        said = text.phonemize_one(case["text"], VOICE[case["language"]]).symbols
+        assert collater.encode(said) == case["ids"], case["text"]
+        padded, lens = collater([said])
+        assert lens.tolist() == [len(case["ids"])]

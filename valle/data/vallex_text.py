@@ -31,6 +31,11 @@ TAGS = {"en": "[EN]", "zh": "[ZH]", "ja": "[JA]"}
 MIX, AUTO = "mix", "auto"
 # Plachtaa's macros.lang2code: how a prompt .npz file's lang_code names its language.
 PROMPT_FILE_LANGUAGES = {0: "zh", 1: "ja", 2: "en"}
+# The espeak voices bin/tokenizer.py records for a corpus in these languages, and the other
+# spellings users of this project type for them.
+VOICES = {"en": "en-us", "zh": "cmn", "ja": "ja"}
+ALIASES = {"en-us": "en", "en-gb": "en", "english": "en", "cmn": "zh", "zh-cn": "zh",
+           "mandarin": "zh", "chinese": "zh", "jpn": "ja", "japanese": "ja"}  # fmt: skip
 _SPAN = re.compile(r"\[(EN|ZH|JA)\](.*?)\[\1\]")
 _END_MARKS = ".,!?-…~"
 
@@ -281,6 +286,48 @@ def phonemes(tagged: str) -> tuple[str, list[str]]:
     return out, languages
 
 
+def language_code(language: str) -> str:
+    """VALL-E X's name of a language given as VALL-E X, espeak or a person writes it."""
+    return ALIASES.get(str(language).lower(), str(language).lower())
+
+
+def symbols(text: str, language: str) -> list[str]:
+    """The phoneme characters VALL-E X's byte-pair table maps to one id each (spaces as
+    ``_``), of ``text`` in ``language`` (its tag; espeak spellings accepted): what
+    bin/tokenizer.py --text-extractor vallex-bpe stores per cut."""
+    text = text.replace("\n", "").strip(" ")
+    said, _ = phonemes(f"_{_tag(text, language_code(language))}".strip())
+    return [ch for ch in said.replace(" ", "_") if not ch.isspace()]
+
+
+def symbol_table_text(bpe_vocab: str | Path) -> str:
+    """A k2 symbol table (valle/data/symbols.py) giving each phoneme character of
+    ``bpe_69.json`` its id there: a corpus tokenized with it trains a VALL-E X checkpoint on
+    the ids its frontend gives. It holds ``<eps>`` and ``<pad>`` but no ``<bos>``/``<eos>``:
+    VALL-E X's text has none, so the collater adds none (valle/data/collation.py)."""
+    import json
+
+    vocab = json.loads(Path(bpe_vocab).read_text(encoding="utf-8"))["model"]["vocab"]
+    chars = {sym: i for sym, i in vocab.items() if len(sym) == 1 and not sym.isspace()}
+    reserved = {"<eps>": 0, "<pad>": vocab.get("[PAD]", 3)}
+    clash = [sym for sym, i in chars.items() if i in reserved.values()]
+    if clash:
+        raise FrontendError(f"{bpe_vocab}: ids of {clash} clash with <eps>/<pad>")
+    rows = sorted({**reserved, **chars}.items(), key=lambda kv: kv[1])
+    return "".join(f"{sym} {i}\n" for sym, i in rows)
+
+
+def _tag(text: str, language: str) -> str:
+    if language == AUTO:
+        language = detect_language(text)
+    if language == MIX:
+        return text
+    if language not in TAGS:
+        raise FrontendError(f"language {language!r}: VALL-E X reads {', '.join(LANGUAGES)}, "
+                            f"{MIX} (tagged text) or {AUTO}")  # fmt: skip
+    return TAGS[language] + text + TAGS[language]
+
+
 @functools.cache
 def _language_identifier():
     """langid restricted to en, zh, ja (VALL-E X's ``language='auto'``), not the global one."""
@@ -312,14 +359,7 @@ class VallexTokenizer:
 
     def tag(self, text: str, language: str) -> str:
         """``text`` wrapped in its language's tag (``mix``: as given; ``auto``: detected)."""
-        if language == AUTO:
-            language = detect_language(text)
-        if language == MIX:
-            return text
-        if language not in TAGS:
-            raise FrontendError(f"language {language!r}: VALL-E X reads {', '.join(LANGUAGES)}, "
-                                f"{MIX} (tagged text) or {AUTO}")  # fmt: skip
-        return TAGS[language] + text + TAGS[language]
+        return _tag(text, language)
 
     def encode_tagged(self, tagged: str) -> tuple[list[int], list[str]]:
         said, languages = phonemes(tagged)
@@ -336,3 +376,22 @@ class VallexTokenizer:
         if not ids:
             raise FrontendError(f"{text!r} gave no phonemes ({language})")
         return ids, languages
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m valle.data.vallex_text symbols --bpe-vocab bpe_69.json --output T``: the
+    symbol table for bin/tokenizer.py --text-extractor vallex-bpe --text-tokens T."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m valle.data.vallex_text", description=main.__doc__)
+    p.add_argument("command", choices=["symbols"])
+    p.add_argument("--bpe-vocab", required=True, help=f"VALL-E X's utils/g2p/{BPE_VOCAB}")
+    p.add_argument("--output", required=True, help="the k2 symbol table to write")
+    args = p.parse_args(argv)
+    Path(args.output).write_text(symbol_table_text(args.bpe_vocab), encoding="utf-8")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -156,6 +156,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     model = get_model(architecture_hparams(cfg, architecture)).to(ctx.device)
     if model.num_languages != cfg.model.num_languages:  # the data must give the model's languages
         cfg.model = replace(cfg.model, num_languages=model.num_languages)
+    if frontend.get("languages") and not cfg.data.languages:
+        cfg.data.languages = corpus_voices(frontend["languages"])
     lora = None
     if cfg.lora.enabled:
         lora = attach_lora(cfg.lora, base_path, model, initial_weights)
@@ -256,12 +258,23 @@ def frontend_record(config: dict | None) -> dict[str, Any]:
     return {k: config[k] for k in ("text_frontend", "languages") if config.get(k) is not None}
 
 
+def corpus_voices(model_languages: list[str]) -> str:
+    """The espeak voices bin/tokenizer.py records for a VALL-E X model's languages, in its row
+    order: the corpus's language ids then are the model's."""
+    from valle.data.vallex_text import VOICES
+
+    return ",".join(VOICES.get(lang, lang) for lang in model_languages)
+
+
 def check_corpus_languages(model_languages, corpus_languages, start_from) -> None:
     """The corpus's language ids must be the base's: its languages in the base's row order."""
     if not model_languages or corpus_languages is None:
         return
-    corpus = [str(x) for x in corpus_languages]
-    if corpus != list(model_languages)[: len(corpus)]:
+    from valle.data.languages import split_languages
+    from valle.data.vallex_text import language_code
+
+    corpus = split_languages(corpus_languages)
+    if [language_code(x) for x in corpus] != list(model_languages)[: len(corpus)]:
         raise StartupError(
             f"--start-from {start_from}: its language table is {list(model_languages)} (ids in "
             f"that order) but the corpus's languages are {corpus}: tokenize the corpus with the "
