@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch and torchaudio must be the same release (encodec imports torchaudio).
-	$(PY) -m pip install -q -e '.[dev,eval,vocos,pinyin,ja,serve,browser]'
+	$(PY) -m pip install -q -e '.[dev,eval,vocos,pinyin,ja,vallex,serve,browser]'
 	@touch $@
 
 demo: install

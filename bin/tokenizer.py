@@ -50,8 +50,10 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="libritts")
     p.add_argument("--dataset-parts", default="dev-clean test-clean", help="space-separated parts")
     p.add_argument("--suffix", default="jsonl.gz")
-    p.add_argument("--text-extractor", default="espeak", choices=["espeak", "pypinyin"],
-                   help="pypinyin: Mandarin characters -> pinyin initials/finals with tones")
+    p.add_argument("--text-extractor", default="espeak", choices=["espeak", "pypinyin", "vallex-bpe"],
+                   help="pypinyin: Mandarin characters -> pinyin initials/finals with tones; "
+                        "vallex-bpe: Plachtaa/VALL-E-X's phonemes (en, zh, ja), with --text-tokens "
+                        "from `python -m valle.data.vallex_text symbols` (docs/inference.md)")
     p.add_argument("--language", default="en-us",
                    help="espeak voice for supervisions without a language (names, ISO 639-1/3 work too)")
     p.add_argument("--audio-extractor", default="Encodec", choices=["Encodec"])
