@@ -40,7 +40,8 @@ def save(run: Run, name: str, next_epoch: bool = False) -> bool:
         written = run.stepper.reduce_counts([float(not written)])[0] == 0
     # Reading checkpoint headers (torch.load, mmap) is host work, not device memory.
     with run.stepper.phases.host_work():
-        if not written and not run.ctx.is_main:  # rank 0 said it with the error
+        # Rank 0 said a storage error with the newest good checkpoint already (not an OOM).
+        if not written and run.storage.said != path:
             logger.error("checkpoint %s was not written (see rank 0's log); training goes on, "
                          "the next save tries again; the newest good checkpoint is %s", path,
                          run.storage.newest_good())

@@ -65,6 +65,7 @@ class Storage:
         self.faults = faults
         self.failed_saves = 0  # checkpoint saves failed in a row (agreed: equal on every rank)
         self.unsaved: Path | None = None  # the newest checkpoint that could not be written
+        self.said: Path | None = None  # the last file whose failed write this rank said
 
     def write(self, kind: str, path: str | Path, fn: Callable[[], Any]) -> bool:
         """Run `fn`, which writes `path`; False (said once, with the newest good
@@ -88,6 +89,7 @@ class Storage:
             limit = (f"the run stops at --max-failed-saves {self.max_failed_saves}"
                      if self.max_failed_saves > 0 else "--max-failed-saves 0: it never stops for it")
             after = f"training goes on, the next save tries again ({failed} failed in a row; {limit})"
+        self.said = Path(path)
         if exc.filename is not None and str(exc.filename) == str(path):
             exc = OSError(exc.errno, exc.strerror)  # the path is said once
         logger.error("could not write %s %s: %s; %s; the newest good checkpoint is %s",
@@ -118,8 +120,9 @@ class Storage:
         if 0 < self.max_failed_saves <= self.failed_saves:
             raise UnsavedStateError(
                 f"{self.failed_saves} checkpoint saves in a row could not be written (the last: "
-                f"{path}; --max-failed-saves {self.max_failed_saves}): the disk is full or "
-                f"failing, and training on would only grow the work a crash loses. "
+                f"{path}; --max-failed-saves {self.max_failed_saves}; the errors above say why, "
+                f"most often a full or failing disk): training on would only grow the work a "
+                f"crash loses. "
                 f"{self._resume_hint()}")
 
     def check_final(self) -> None:
