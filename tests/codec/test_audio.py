@@ -16,6 +16,7 @@ from valle.codec.mel import MelConfig, MelFrontend, MelInverter, mel_filterbank
 RATES = [(22050, 24000), (16000, 24000), (44100, 24000), (48000, 24000), (24000, 16000), (8000, 24000)]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("orig,new", RATES)
 def test_resampled_sine_keeps_its_frequency_and_level(orig, new):
     t = torch.arange(orig) / orig
@@ -29,6 +30,7 @@ def test_resampled_sine_keeps_its_frequency_and_level(orig, new):
         resample(y, 22050.5, 24000)
 
 
+@pytest.mark.smoke
 def test_filterbank_is_slaneys():
     fb = mel_filterbank(MelConfig())
     assert fb.shape == (641, 80) and (fb >= 0).all()
@@ -70,3 +72,28 @@ def test_griffin_lim_equals_torchaudio(torchaudio):
     theirs = torchaudio.functional.griffinlim(mag, inverter.window, c.n_fft, c.hop_length, c.n_fft, 1.0, 8,
                                               0.99, t * c.hop_length, False)[0]
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.smoke
+def test_lhotse_resamples_the_same_without_torchaudio(tmp_path, monkeypatch):
+    """lhotse would switch to scipy's filter without torchaudio: a 22.05 kHz corpus would get
+    other audio, hence other codes, than it got with torchaudio installed."""
+    import numpy as np
+    import soundfile as sf
+    from lhotse import Recording
+    from lhotse.augmentation import torchaudio as lhotse_ta
+
+    from valle.codec.audio import use_torch_resampling_in_lhotse
+
+    path = tmp_path / "a.wav"
+    sf.write(path, signal(0.5, seed=1)[0, 0, :11025].numpy(), 22050)
+    recording = Recording.from_file(path).resample(24000)
+    monkeypatch.setattr(lhotse_ta, "is_torchaudio_available", lambda: True)
+    with_torchaudio = recording.load_audio()
+    monkeypatch.setattr(lhotse_ta, "is_torchaudio_available", lambda: False)
+    use_torch_resampling_in_lhotse()
+    without = recording.load_audio()
+    assert with_torchaudio.shape == without.shape == (1, 12000)
+    assert np.array_equal(with_torchaudio, without)
+    torch.testing.assert_close(torch.from_numpy(without[0]), resample(torch.from_numpy(
+        sf.read(path, dtype="float32")[0]), 22050, 24000), rtol=1e-5, atol=1e-6)

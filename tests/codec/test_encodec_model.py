@@ -25,6 +25,7 @@ def _seeded_net() -> EncodecNet:
     return net.eval()
 
 
+@pytest.mark.smoke
 def test_state_dict_is_the_official_checkpoints():
     """encodec_24khz-d7cc33bc.th's keys and shapes (the package's model, recorded)."""
     ours = {k: list(v.shape) for k, v in EncodecNet().state_dict().items()}
@@ -66,6 +67,7 @@ def test_random_tokenizer_codes_are_those_of_the_tokenizer_before_the_rewrite():
         assert tok.encode(wav).tolist() == case["codes"], case["seconds"]
 
 
+@pytest.mark.smoke
 def test_no_torchaudio_or_encodec_import():
     """Encoding and decoding import neither torchaudio nor encodec (a fresh interpreter)."""
     import subprocess

@@ -77,3 +77,31 @@ def load_audio_24k(path: str | os.PathLike) -> torch.Tensor:
     if data.shape[0] == 0:
         raise AudioLoadError(f"audio file {path} holds no samples")
     return to_mono_24k(data.T, sr).reshape(1, 1, -1)
+
+
+def use_torch_resampling_in_lhotse() -> None:
+    """Make lhotse resample with its torch resampler whether or not torchaudio is installed.
+
+    lhotse (1.33) resamples a cut (``cut.resample``) with its own torch port of torchaudio's
+    resampler when torchaudio is installed, and with scipy's ``resample_poly`` (another filter)
+    when it is not. valle no longer needs torchaudio, so without this a corpus not at 24 kHz
+    would get slightly other audio, hence other codes, depending on what else is installed.
+    With it, the audio (and the codes) are those of the torchaudio path always. Idempotent;
+    call it before loading audio through lhotse (DataLoader workers included)."""
+    from lhotse.audio.resampling_backend import get_current_resampling_backend
+    from lhotse.augmentation import torchaudio as lhotse_ta
+
+    resample_cls = lhotse_ta.Resample
+    if getattr(resample_cls, "_valle_torch_resampling", False):
+        return
+    original = resample_cls.__call__
+
+    def __call__(self, samples, *args, **kwargs):
+        if (self.source_sampling_rate == self.target_sampling_rate or lhotse_ta.is_torchaudio_available()
+                or get_current_resampling_backend() == "sox"):
+            return original(self, samples, *args, **kwargs)
+        x = torch.from_numpy(samples) if isinstance(samples, np.ndarray) else samples
+        return self.resampler(x).numpy()
+
+    resample_cls.__call__ = __call__
+    resample_cls._valle_torch_resampling = True
