@@ -101,6 +101,11 @@ def test_config_yaml_beside_the_weights_is_read_and_other_vocoders_refused(tmp_p
     (tmp_path / "config.yaml").write_text(CONFIG.replace("EncodecFeatures", "MelSpectrogramFeatures"))
     with pytest.raises(vd.VocosWeightsError, match="config.yaml: feature_extractor is .*MelSpectrogramFeatures"):
         vd.VocosDecoder("cpu", checkpoint=path)
+    # bin/infer.py and the page: one line, not a traceback
+    args = build_parser().parse_args(["--decoder", "vocos", "--vocos-checkpoint", str(path), "--checkpoint", "x.pt",
+                                      "--text", "a"])
+    with pytest.raises(InputError, match="MelSpectrogramFeatures"):
+        build_vocos({}, "cpu", path, args)
 
 
 def test_decodes_as_the_vocos_package_does(tmp_path):
