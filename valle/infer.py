@@ -1049,14 +1049,20 @@ def auto_vocos(config: dict[str, Any], device, args: argparse.Namespace):
 def build_vocos(config: dict[str, Any], device, weights, args: argparse.Namespace):
     """Vocos only for EnCodec-coded corpora (refused for mel-rvq)."""
     from valle.codec import find_codec_record
-    from valle.codec.vocos import VocosCodecError, VocosDecoder, check_codec_for_vocos
+    from valle.codec.vocos import (
+        VocosCodecError,
+        VocosDecoder,
+        VocosWeightsError,
+        check_codec_for_vocos,
+    )
 
     found = find_codec_record(config)
     try:
         check_codec_for_vocos(found[0].get("codec", "encodec") if found else "encodec")
-    except VocosCodecError as e:
+        # a file that is not the EnCodec Vocos (or its config.yaml): one line naming it
+        return VocosDecoder(device, weights, allow_random_weights=weights is None, download=False)
+    except (VocosCodecError, VocosWeightsError) as e:
         raise InputError(str(e)) from e
-    return VocosDecoder(device, weights, allow_random_weights=weights is None, download=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -243,6 +243,9 @@ class AudioLoadDataset(torch.utils.data.Dataset):
         return len(self.cuts)
 
     def __getitem__(self, i: int):
+        from valle.codec.audio import use_torch_resampling_in_lhotse
+
+        use_torch_resampling_in_lhotse()  # the same audio with or without torchaudio
         cut = self.cuts[i]
         try:
             samples = cut.load_audio()
