@@ -157,3 +157,50 @@ def test_a_base_without_a_language_table_is_refused(tmp_path):
             "--lora-rank", "4", "--optimizer-name", "AdamW"]))  # fmt: skip
     with pytest.raises(ValueError, match="--add-language: .* --start-from"):
         parse_config(TINY_MODEL + ["--synthetic-data", "8", "--add-language", "de"])
+
+
+GERMAN = ["Guten Morgen, wie geht es dir heute?", "Das Wetter ist schön und die Sonne scheint.",
+          "Wir fahren morgen mit dem Zug nach Berlin.", "Der Hund schläft neben dem warmen Ofen."]
+
+
+@pytest.mark.timeout(600)
+def test_a_german_corpus_teaches_the_new_row(tmp_path):
+    """The whole path: German eSpeak recordings tokenized into VALL-E X's ids
+    (bin/tokenizer.py --text-extractor vallex-bpe, the supervisions' language German), then
+    --add-language de trains its row on them: their cuts get id 3 (the grown table's order)."""
+    import os
+    import subprocess
+    import sys
+
+    from valle.data.tiny import Voice, make_manifests, synthesize_items
+    from valle.data.vallex_text import main as vallex_text
+
+    root = Path(__file__).resolve().parents[2]
+    voices = (Voice("de_f", "de+f4", 170, 65, language="German"), Voice("de_m", "de+m3", 165, 40, language="German"))
+    synthesize_items([(text, v) for text in GERMAN for v in voices], tmp_path / "corpus")
+    make_manifests(tmp_path / "corpus", tmp_path / "manifests")
+    table = tmp_path / "vallex.k2symbols"
+    assert vallex_text(["symbols", "--bpe-vocab", str(FIXTURE / "bpe_69.json"), "--output", str(table)]) == 0
+    proc = subprocess.run(
+        [sys.executable, str(root / "bin/tokenizer.py"), "--src-dir", str(tmp_path / "manifests"),
+         "--output-dir", str(tmp_path / "tokenized"), "--prefix", "tiny", "--dataset-parts", "all",
+         "--suffix", "jsonl.gz", "--num-jobs", "0", "--allow-random-encodec",
+         "--text-extractor", "vallex-bpe", "--text-tokens", str(table)],
+        cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "left out, not in the vallex-bpe table" in proc.stdout  # ø of schön, at least
+    summary = train(parse_config(TINY_MODEL + [
+        "--exp-dir", str(tmp_path / "exp"), "--manifest-dir", str(tmp_path / "tokenized"),
+        "--dataset", "tiny", "--train-part", "all", "--valid-part", "all", "--max-duration", "20",
+        "--num-workers", "0", "--num-buckets", "1", "--text-tokens", str(table), "--num-epochs", "1",
+        "--start-from", str(BASE), "--add-language", "de", "--lora-rank", "4", "--weight-decay", "0",
+        "--optimizer-name", "AdamW", "--base-lr", "0.01", "--warmup-steps", "1", "--average-period", "0"]))  # fmt: skip
+    assert summary.steps >= 1
+    saved = load_checkpoint(tmp_path / "exp" / "epoch-1.pt")
+    assert saved["config"]["languages"] == ["en", "zh", "ja", "de"]
+    # No weight decay: a row moves only where its id is used. The German cuts got id 3.
+    base, _ = load_model_checkpoint(BASE)
+    for table_name in TABLES:
+        start = base[f"{table_name}.weight"].mean(0, keepdim=True)
+        assert not torch.allclose(saved["model"][f"{table_name}.added_rows"], start), table_name
+        assert torch.equal(summary.model_state[f"{table_name}.weight"], base[f"{table_name}.weight"])
