@@ -92,10 +92,10 @@ def test_inference_and_merge_carry_the_new_language(run, tmp_path):
     assert merged_state["config"]["languages"] == ["en", "zh", "ja", "de"]
 
 
-def test_synthesis_by_name(run, tmp_path):
+def test_synthesis_by_name(run, tmp_path, monkeypatch, capsys):
     """bin/infer.py --language de on the adapters: the text's tokens get the new row (3)."""
     pytest.importorskip("tokenizers", reason="the vallex extra: pip install -e '.[vallex]'")
-    from valle.infer import Item, Synthesizer, load_model
+    from valle.infer import Item, Synthesizer, load_model, main
 
     exp, _ = run
     model, config = load_model(exp / "epoch-1.pt")
@@ -106,6 +106,31 @@ def test_synthesis_by_name(run, tmp_path):
     # espeak's "ɡˈuːtən tˈɑːk." in the table's characters: g for ɡ, no length marks
     assert ids[prompt_len:].tolist() == synth.text_tokenizer.bpe.encode("gˈutən_tˈɑk.").ids
     assert set(langs.tolist()) == {3}
+    # bin/infer.py itself, an English .npz prompt (VALL-E X's lang_code 2) and German text
+    import numpy as np
+
+    import valle.codec as codec
+
+    class Codec:  # codes in, a constant wave out: the codec is not under test
+        def encode(self, wav):
+            return torch.zeros(1, 8, max(1, wav.shape[-1] // 320), dtype=torch.long)
+
+        def decode(self, codes):
+            return torch.full((1, 1, codes.shape[-1] * 320), 0.1)
+
+    monkeypatch.setattr(codec, "codec_for_checkpoint", lambda *a, **k: Codec())
+    e = torch.load(FIXTURE / "expected.pt")
+    np.savez(tmp_path / "en.npz", audio_tokens=e["prompt"].numpy().astype(np.int64),
+             text_tokens=e["text"][:, :5].numpy(), lang_code=np.array([2]))  # fmt: skip
+    assert main(["--checkpoint", str(exp / "epoch-1.pt"), "--bpe-vocab", str(FIXTURE / "bpe_69.json"),
+                 "--audio-prompts", str(tmp_path / "en.npz"), "--text", "Guten Tag.", "--language", "de",
+                 "--output-dir", str(tmp_path / "out"), "--top-k", "1", "--max-len-ratio", "1",
+                 "--device", "cpu"]) == 0  # fmt: skip
+    assert (tmp_path / "out" / "0.wav").is_file()
+    assert main(["--checkpoint", str(BASE), "--bpe-vocab", str(FIXTURE / "bpe_69.json"),
+                 "--audio-prompts", str(tmp_path / "en.npz"), "--text", "Guten Tag.", "--language", "de",
+                 "--output-dir", str(tmp_path / "base"), "--device", "cpu"]) == 2  # the base has no de
+    assert "--language de: this VALL-E X checkpoint reads en, zh, ja" in capsys.readouterr().err
 
 
 def test_resume_keeps_the_new_row(run, tmp_path):
