@@ -42,6 +42,7 @@ from valle.train.resilience.memory import OomReporter
 from valle.train.resilience.quarantine import Quarantine
 from valle.train.resilience.step import ResilientStep, StepConfig
 from valle.train.schedulers import build_scheduler
+from valle.train.storage import Storage
 from valle.train.watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class Run:
     memory_model: Any = None  # valle.train.autobatch.MemoryModel when --max-duration auto chose
     samples: Any = None  # valle.train.samples.SampleWriter, made by its first pass (rank 0)
     lora: LoraRun | None = None  # --lora-rank: the adapters trained on a frozen base
+    storage: Storage = field(default_factory=Storage)  # every write: valle/train/storage.py
 
 
 def control_channel(ctx: DistContext) -> ControlChannel:
@@ -198,7 +200,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
         averager = ModelAverager(named, cfg.average_period)
     sync = build_grad_sync(cfg.grad_sync, model, [p for _, p in named], world_size=ctx.world_size,
                            device=ctx.device, group=ctx.group, bucket_cap_mb=cfg.bucket_cap_mb)
-    quarantine = Quarantine(cfg.exp_dir / "quarantine.jsonl")
+    storage = Storage(cfg.exp_dir, cfg.max_failed_saves, faults)
+    quarantine = Quarantine(cfg.exp_dir / "quarantine.jsonl", storage)
     autobatch.check_auto_flags(cfg, ctx.device)
     if cfg.activation_checkpointing:
         from valle.models.transformer import set_activation_checkpointing
@@ -214,7 +217,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
                    update_retries=cfg.update_retries, max_quarantined=cfg.max_quarantined_cuts,
                    max_fitted_before=cfg.max_fitted_before_quarantines),
         scaler=scaler, averager=averager, faults=faults,
-        reporter=OomReporter(cfg.exp_dir, ctx.rank, cfg.save_oom_batches, cfg.oom_snapshot),
+        reporter=OomReporter(cfg.exp_dir, ctx.rank, cfg.save_oom_batches, cfg.oom_snapshot,
+                             storage=storage),
         quarantine=quarantine, channel=ctx.channel,
     )
     # --max-duration auto: a provisional budget until the run can measure (below).
@@ -227,10 +231,11 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     if lora is not None:
         check_text_tokens(base_table, cfg.data.text_tokens and str(cfg.data.text_tokens), cfg.start_from)
     run = Run(cfg, ctx, model, optimizer, scheduler, scaler, averager, stepper, data, quarantine,
-              TensorBoardLogger(cfg.exp_dir / "tensorboard" / f"stage{cfg.train_stage}", enabled=cfg.tensorboard and ctx.is_main),
+              TensorBoardLogger(cfg.exp_dir / "tensorboard" / f"stage{cfg.train_stage}",
+                                enabled=cfg.tensorboard and ctx.is_main, storage=storage),
               StallWatchdog(cfg.stall_factor, cfg.stall_min_seconds,
                             cfg.exp_dir / "log" / f"stall-rank{ctx.rank}.txt", ctx.rank))
-    run.lora = lora
+    run.lora, run.storage = lora, storage
     if payload is not None:
         # A new stage has a new memory profile: only a same-stage resume skips the scan.
         run.resumed = not restore(run, payload)
