@@ -114,16 +114,19 @@ def main() -> None:
     p.add_argument("--exp", default="exp/bench-quality", help="under egs/tiny")
     p.add_argument("--reuse", action="store_true", help="score an existing --exp without training")
     p.add_argument("--every", type=int, default=1, help="score every Nth AR epoch (and the last)")
+    p.add_argument("--data", default="data/tiny/tokenized",
+                   help="under egs/tiny: the tokenized corpus --exp was trained on (run.sh --data); "
+                        "its held-out split and phoneme judge score the points")  # fmt: skip
     args = p.parse_args()
     exp = TINY / args.exp
-    data = "data/tiny/tokenized"
+    data = args.data
     exp.mkdir(parents=True, exist_ok=True)
     log = exp / "bench-quality.log"
     started = time.time()
     if not (TINY / data / "judge.pt").is_file():
-        run(["bash", "run.sh", "--stage", "0", "--stop-stage", "0", "--python", sys.executable], log)
+        run(["bash", "run.sh", "--stage", "0", "--stop-stage", "0", "--data", data, "--python", sys.executable], log)
     if not args.reuse:
-        stages = ["--exp", args.exp, "--python", sys.executable]
+        stages = ["--exp", args.exp, "--data", data, "--python", sys.executable]
         stages += ["--ar-epochs", str(args.ar_epochs)] if args.ar_epochs else []
         stages += ["--nar-epochs", str(args.nar_epochs)] if args.nar_epochs else []
         run(["bash", "run.sh", "--stage", "1", "--stop-stage", "2", *stages], log)
