@@ -1,5 +1,6 @@
-"""bin/serve.py: the synthesis page's API on a tiny checkpoint, its one-at-a-time queue, and the
-page itself in a real headless Chromium (skipped, with the reason, where there is none)."""
+"""bin/serve.py: the synthesis page's API on a tiny checkpoint, its batching queue, and the
+page itself in a real headless Chromium (skipped, with the reason, where there is none).
+The server under load, as a real process: tests/test_serve_load.py."""
 
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ from fastapi.testclient import TestClient  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 from models_testlib import tiny_model  # noqa: E402
 
-from valle.infer import Failure, RunResult, write_wav  # noqa: E402
+from valle.infer import Failure  # noqa: E402
 from valle.models import NUM_AUDIO_TOKENS  # noqa: E402
 from valle.serve.app import PageSettings, create_app  # noqa: E402
 from valle.serve.cli import create_app_from_args, parse_args  # noqa: E402
-from valle.serve.engine import ResultStore, SynthesisService  # noqa: E402
+from valle.serve.engine import Admitted, ResultStore, SynthesisService  # noqa: E402
 
 PROMPT_TEXT = "the quick brown fox"
 TEXT = "jumps over the dog"
@@ -213,74 +214,82 @@ def test_command_line_refuses_bad_flags_in_one_line(capsys):
     assert "error: --num-candidates must be >= 1, got 0" in capsys.readouterr().err
 
 
-class GatedFakeBackend:
-    """Records when each synthesis starts and ends; holds them until ``gate`` opens, so the test
-    can have every request queued at once (several running at once would overlap)."""
+class FakeBackend:
+    """Admits every request (its arguments as the payload) and decodes each to a short wav."""
 
-    def __init__(self, seconds: float):
-        self.seconds, self.spans, self.gate = seconds, [], threading.Event()
-        self._lock = threading.Lock()
+    def __init__(self):
+        self.args, self.batches = [], []
 
     def languages(self, args):
         return [args.language]
 
-    def synthesize(self, args, item) -> RunResult:
+    def admit(self, args, item) -> Admitted:
+        self.args.append(args)
+        return Admitted(("fake",), [item], args.seed, args)
+
+    def decode(self, batch, should_stop):
+        self.batches.append(len(batch))
+        return [[torch.full((2400,), 0.1)] for _ in batch]
+
+
+class GatedFakeBackend(FakeBackend):
+    """Holds the first batch until ``gate`` opens, so that the others queue behind it."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds, self.gate, self.spans = seconds, threading.Event(), []
+
+    def decode(self, batch, should_stop):
         assert self.gate.wait(60), "the test never opened the gate"
         start = time.monotonic()
         time.sleep(self.seconds)
-        write_wav(item.out_wav, torch.full((2400,), 0.1))
-        with self._lock:
-            self.spans.append((start, time.monotonic()))
-        return RunResult(written=[item.out_wav])
+        self.spans.append((start, time.monotonic()))
+        return super().decode(batch, should_stop)
 
 
 @pytest.mark.timeout(120)
-def test_concurrent_requests_are_serialized(served, tmp_path):
+def test_concurrent_requests_are_batched(served, tmp_path):
     backend = GatedFakeBackend(0.3)
     _, infer_args = parse_args(_server_argv(served))
     service = SynthesisService(backend, infer_args, ResultStore(tmp_path / "results"))
     app = create_app(service, PageSettings(exp_dir=served["exp"], prompt_dir=served["prompts"],
                                            upload_dir=tmp_path / "uploads"))  # fmt: skip
     client = TestClient(app, raise_server_exceptions=False)
-    responses = [None] * 3
+    responses = [None] * 4
 
     def send(i: int) -> None:
         responses[i] = _post(client, prompt=served["prompt"], seed=i)
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+    threads[0].start()
     deadline = time.monotonic() + 60
-    while service.queue.pending < 3:  # all three accepted and queued before any may run
-        assert time.monotonic() < deadline, f"only {service.queue.pending} requests reached the queue"
+    while service.batcher.running < 1:  # the first is decoding (held at the gate) ...
+        assert time.monotonic() < deadline, "the first request never started"
+        time.sleep(0.02)
+    for t in threads[1:]:
+        t.start()
+    while service.batcher.depth < 3:  # ... while the other three queue behind it
+        assert time.monotonic() < deadline, f"only {service.batcher.depth} requests reached the queue"
         time.sleep(0.02)
     backend.gate.set()
     for t in threads:
         t.join(timeout=60)
     assert all(r is not None and r.status_code == 200 for r in responses), responses
+    assert backend.batches == [1, 3], "the three that came during the first batch form the next"
     spans = sorted(backend.spans)
-    assert len(spans) == 3
-    for (_, end), (start, _) in zip(spans, spans[1:]):
-        assert start >= end, f"two syntheses overlapped: {spans}"
-    # the two that came behind the first say how long they waited in the queue
-    waited = sorted(r.json()["waited"] for r in responses)
-    assert waited[1] >= 0.25 and waited[2] >= 0.55, waited
-    assert service.queue.pending == 0
+    assert spans[1][0] >= spans[0][1], f"two batches overlapped: {spans}"
+    bodies = [r.json() for r in responses]
+    assert sorted(b["batch_rows"] for b in bodies) == [1, 3, 3, 3]
+    waited = sorted(b["waited"] for b in bodies)
+    assert waited[0] < 0.25 and waited[1] >= 0.25, waited  # the three waited for the first batch
+    assert service.batcher.depth == 0 and service.batcher.running == 0
+    metrics = client.get("/metrics").text
+    assert 'valle_requests_total{outcome="ok"} 4.0' in metrics
+    assert "valle_batch_rows_count 2.0" in metrics and "valle_batch_rows_sum 4.0" in metrics
 
 
-class RecordingBackend:
-    """Keeps the arguments each synthesis ran with; writes a short wav."""
-
-    def __init__(self):
-        self.args = []
-
-    def languages(self, args):
-        return [args.language]
-
-    def synthesize(self, args, item) -> RunResult:
-        self.args.append(args)
-        write_wav(item.out_wav, torch.full((2400,), 0.1))
-        return RunResult(written=[item.out_wav])
+class RecordingBackend(FakeBackend):
+    """Keeps the arguments each synthesis ran with."""
 
 
 @pytest.mark.timeout(120)
@@ -299,18 +308,16 @@ def test_top_k_off_or_empty_means_off(served, tmp_path):
     assert _post(client, prompt=served["prompt"]).status_code == 200 and backend.args[-1].top_k == 3
 
 
-class BrokenBackend:
+class BrokenBackend(FakeBackend):
     """Fails each synthesis the way a model can: no audio, out of memory, a bug."""
 
     def __init__(self, error):
+        super().__init__()
         self.error = error
 
-    def languages(self, args):
-        return [args.language]
-
-    def synthesize(self, args, item) -> RunResult:
+    def decode(self, batch, should_stop):
         if self.error is None:
-            return RunResult(failures=[Failure(item.name, "the AR model emitted EOS as its first token")])
+            return [[Failure("request", "the AR model emitted EOS as its first token")] for _ in batch]
         raise self.error
 
 
@@ -331,7 +338,9 @@ def test_model_failures_are_messages(served, tmp_path, error, status, message):
     assert response.status_code == status and message in response.json()["error"]
     assert not any((tmp_path / "results").iterdir()), "a failed result's directory was left behind"
     # the queue still serves the next request
-    assert service.queue.pending == 0
+    assert service.batcher.depth == 0 and service.batcher.alive
+    outcome = "failed"
+    assert f'valle_requests_total{{outcome="{outcome}"}} 1.0' in TestClient(app).get("/metrics").text
 
 
 # ---------------------------------------------------------------- the page in a real browser

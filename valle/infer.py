@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sentence-gap", type=float, default=0.15,
                    help="seconds of silence between joined sentences")  # fmt: skip
     g.add_argument("--batch-size", type=int, default=1,
-                   help="texts decoded together (faster; sampled rows then depend on their batch)")  # fmt: skip
+                   help="texts decoded together (faster; each samples as it would alone, from --seed)")  # fmt: skip
     add_flags(p, DecodeOptions, DECODING_GROUP_DESCRIPTIONS, groups=[EXPERIMENTAL_DECODING_GROUP])
     p.add_argument("--continual", type=str2bool, nargs="?", const=True, default=False,
                    help="resynthesise the prompt audio: codebook 0 from it, the NAR predicts "
@@ -627,10 +627,16 @@ def _units(items: list[Item], split: bool) -> list[tuple[int, Item]]:
     return units
 
 
+def unit_items(item: Item, args: argparse.Namespace) -> list[Item]:
+    """What of ``item`` is decoded: itself, or each sentence with --split-sentences."""
+    return [unit for _, unit in _units([item], args.split_sentences and not args.continual)]
+
+
 def check_text(synth: Synthesizer, item: Item, args: argparse.Namespace) -> None:
-    """Raise ``TextError`` when any piece of ``item`` would be refused (the page's check)."""
+    """Raise ``TextError`` when any piece of ``item`` would be refused (the page's check, made
+    before it queues; ``synthesize_items`` makes the same per item of a file)."""
     split = args.split_sentences and not args.continual
-    for _, unit in _units([item], split):
+    for unit in unit_items(item, args):
         problem = synth.text_problem(unit, split)
         if problem is not None:
             raise TextError(problem.field, f"{unit.name}: {problem.message}")
