@@ -183,6 +183,8 @@ def test_example_prompt_by_name(client):
          "Han letters ('你好'): none of the languages that read it (cmn, yue"),
         ({"text": "jumps over the dog. " * 60}, "ok", "text",
          "more than this checkpoint takes in one piece (625: its longest training items"),
+        ({"text": "jumps over the dog. " * 1250}, "ok", "text",  # counted until past the limit
+         "the text is over 625 text tokens long (629 in its first 37 of 1250 sentences), more than"),
         ({"checkpoint": "x/epoch-2.pt", "language": "de"}, "ok", None,
          "--language de: not one of the model's languages"),
     ],
@@ -222,6 +224,9 @@ class FakeBackend:
 
     def languages(self, args):
         return [args.language]
+
+    def check(self, args, item) -> None:
+        pass
 
     def admit(self, args, item) -> Admitted:
         self.args.append(args)

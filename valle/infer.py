@@ -508,8 +508,24 @@ class Synthesizer:
             if isinstance(segments, TextProblem):
                 return segments
         if item.text.strip():
+            early = self._too_long_early(item, split_sentences)
+            if early is not None:
+                return early
             tokens = len(self._said(item.text, self.language, "text", item)[0])
             return length_problem(tokens, self.text_limit, split_sentences)
+        return None
+
+    def _too_long_early(self, item: Item, split: bool) -> TextProblem | None:
+        """A text of many sentences, counted sentence by sentence until it is over the limit:
+        a 25,000-character text is refused after its first sentences, not after all of them."""
+        limit = self.text_limit.max_tokens
+        # only for texts far past the limit: one near it gets its exact count below
+        sentences = [] if split or len(item.text) <= 2 * limit else split_sentences(item.text)
+        counted = 0
+        for k, sentence in enumerate(sentences if len(sentences) > 1 else [], start=1):
+            counted += len(self._said(sentence, self.language, "text", item)[0])
+            if counted > limit:
+                return length_problem(counted, self.text_limit, split, counted_sentences=(k, len(sentences)))
         return None
 
     def _text_ids(self, item: Item, continual: bool) -> tuple[torch.Tensor, int, torch.Tensor | None]:

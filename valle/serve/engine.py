@@ -17,13 +17,15 @@ import asyncio
 import copy
 import dataclasses
 import hashlib
+import itertools
 import logging
+import queue
 import shutil
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -108,11 +110,14 @@ class Admitted:
 class Backend(Protocol):
     """What the page needs from a model; ``InferBackend`` is the real one, tests pass fakes.
 
-    ``languages`` and ``admit`` run on the admission thread (checks, no model forward);
-    ``decode`` on the synthesis thread: one batch of admitted requests with equal keys, one
-    list of outputs (a waveform or a ``Failure`` per unit) per request."""
+    ``languages``, ``check`` (refuse: raise ``InputError``) and ``admit`` (prepare) run on
+    the admission thread, checks first; ``decode`` on the synthesis thread: one batch of
+    admitted requests with equal keys, one list of outputs (a waveform or a ``Failure`` per
+    unit) per request."""
 
     def languages(self, args: argparse.Namespace) -> list[str]: ...
+
+    def check(self, args: argparse.Namespace, item: Item) -> None: ...
 
     def admit(self, args: argparse.Namespace, item: Item) -> Admitted: ...
 
@@ -209,12 +214,14 @@ class InferBackend:
             loaded.synthesizers[key] = synth
         return key, loaded.synthesizers[key]
 
+    def check(self, args: argparse.Namespace, item: Item) -> None:
+        """The checks ``bin/infer.py`` makes (a refused text is a 400 on its field): no model
+        forward pass, only the checkpoint's config, symbol table and text frontend."""
+        check_text(self._synthesizer(self._load(args), args)[1], item, args)
+
     def admit(self, args: argparse.Namespace, item: Item) -> Admitted:
-        """The checks ``bin/infer.py`` makes (a refused text is a 400 on its field), then the
-        request prepared: refused or ready, without the model's forward pass."""
-        loaded = self._load(args)
-        synth_key, synth = self._synthesizer(loaded, args)
-        check_text(synth, item, args)
+        """A checked request prepared (text ids, prompt codes) and keyed for batching."""
+        synth_key, synth = self._synthesizer(self._load(args), args)
         continual = bool(args.continual)
         units = [synth.prepare(unit, continual) for unit in unit_items(item, args)]
         options = decode_options(args)
@@ -295,6 +302,40 @@ def render_spectrogram(wav_path: Path, png_path: Path) -> None:
     tmp.replace(png_path)  # drawn on first request: two at once never show half a file
 
 
+class AdmissionThread:
+    """One thread for the text frontend (espeak through phonemizer is not thread-safe), which
+    runs every waiting check before any preparation: a bad request arriving behind good ones
+    is refused without waiting for their prompts to be encoded."""
+
+    CHECK, PREPARE = 0, 1
+
+    def __init__(self):
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="admission", daemon=True)
+        self._thread.start()
+
+    def submit(self, priority: int, fn, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((priority, next(self._order), fn, args, future))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            _, _, fn, args, future = self._queue.get()
+            if fn is None:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # the request's own error, raised where it waits
+                future.set_exception(e)
+
+    def shutdown(self) -> None:
+        self._queue.put((-1, -1, None, (), None))
+
+
 class SynthesisService:
     """Checks a request, queues it, writes its wav (its spectrogram when first asked for).
 
@@ -308,8 +349,7 @@ class SynthesisService:
                  window: float = 0.01, max_batch: int = 16):  # fmt: skip
         self.backend, self.base_args, self.results = backend, base_args, results
         self.request_timeout = request_timeout
-        # one thread: the text frontend (espeak through phonemizer) is not thread-safe
-        self.admission = ThreadPoolExecutor(max_workers=1, thread_name_prefix="admission")
+        self.admission = AdmissionThread()
         self.metrics = ServeMetrics()
         self.batcher = Batcher(self._decode, max_queue=max_queue, window=window, max_batch=max_batch,
                                on_batch=self.metrics.observe_batch)  # fmt: skip
@@ -320,7 +360,7 @@ class SynthesisService:
 
     def shutdown(self) -> None:
         self.batcher.shutdown()
-        self.admission.shutdown(wait=False, cancel_futures=True)
+        self.admission.shutdown()
 
     def infer_args(self, checkpoint: Path, overrides: dict[str, Any] | None = None) -> argparse.Namespace:
         """The server's bin/infer.py arguments for this checkpoint and request, checked."""
@@ -331,11 +371,11 @@ class SynthesisService:
         decode_options(args)  # raises InputError for e.g. --num-candidates 0
         return args
 
-    async def _admit(self, fn, *args):
-        return await asyncio.wrap_future(self.admission.submit(fn, *args))
+    async def _admit(self, priority: int, fn, *args):
+        return await asyncio.wrap_future(self.admission.submit(priority, fn, *args))
 
     async def languages(self, checkpoint: Path) -> list[str]:
-        return await self._admit(self.backend.languages, self.infer_args(checkpoint))
+        return await self._admit(AdmissionThread.CHECK, self.backend.languages, self.infer_args(checkpoint))
 
     async def synthesize(self, request: SynthesisRequest, disconnected=None) -> Result:
         """``disconnected``: an async callable, true once the client has gone (its job is then
@@ -349,7 +389,8 @@ class SynthesisService:
         try:
             args = self.infer_args(request.checkpoint, request.overrides())
             item = Item(request.prompt_text, str(request.prompt_wav), request.text, Path("-"), "request")
-            admitted = await self._admit(self.backend.admit, args, item)
+            await self._admit(AdmissionThread.CHECK, self.backend.check, args, item)
+            admitted = await self._admit(AdmissionThread.PREPARE, self.backend.admit, args, item)
         except BaseException:
             ticket.release()
             raise
