@@ -97,12 +97,18 @@ def decode_codes(
     return audio_tokenizer.decode(codes.T.unsqueeze(0)).reshape(-1).float().cpu()
 
 
+CODEC_BATCH_ROWS = 8  # a codec's activations are large (EnCodec: 512 channels at 24 kHz): rows per call
+
+
 def codes_to_audio(codes: list[torch.Tensor], audio_tokenizer, decoder=None) -> list[torch.Tensor]:
     """Several rows' codes (T_i, Q) -> their waveforms. A causal codec (EnCodec: ``causal``)
-    decodes them as one right-padded batch, each row cut to its own frames (what comes after
-    a frame cannot change it); any other decoder one row at a time."""
+    decodes them as right-padded batches of up to ``CODEC_BATCH_ROWS``, each row cut to its own
+    frames (what comes after a frame cannot change it); any other decoder one row at a time."""
     if decoder is not None or not getattr(audio_tokenizer, "causal", False) or len(codes) < 2:
         return [decode_codes(c, None, audio_tokenizer, decoder) for c in codes]
+    if len(codes) > CODEC_BATCH_ROWS:
+        return [wav for start in range(0, len(codes), CODEC_BATCH_ROWS)
+                for wav in codes_to_audio(codes[start : start + CODEC_BATCH_ROWS], audio_tokenizer)]  # fmt: skip
     lens = [int(c.shape[0]) for c in codes]
     batch = codes[0].new_zeros((len(codes), max(lens), codes[0].shape[1]))
     for b, c in enumerate(codes):
@@ -125,9 +131,11 @@ def decode_prepared(
     code_vectors: list[torch.Tensor] | None = None,
     row_seeds: list[int | None] | None = None,
     should_stop: Callable[[], torch.Tensor | None] | None = None,
+    to_audio: bool = True,
 ) -> list[torch.Tensor | Failure]:
     """One (N,) float waveform at 24 kHz per unit, decoded as one batch, or a ``Failure``
-    (``Abandoned`` for the rows ``should_stop`` named).
+    (``Abandoned`` for the rows ``should_stop`` named). ``to_audio=False``: the codes (T, Q)
+    instead of the waveform (``codes_to_audio`` later, e.g. on another thread).
 
     ``row_seeds``: each row's sampling seed (None: ``options.seed``; both None: torch's global
     RNG for every row), so a row samples the same tokens alone or in any batch.
@@ -154,8 +162,8 @@ def decode_prepared(
             out[b] = Abandoned(unit.name, "abandoned: its requester left")
         elif int(lens[b]) > 0:
             rows.append(b)
-    wavs = codes_to_audio([codes[b, : int(lens[b])] for b in rows], audio_tokenizer, decoder)
-    for b, wav in zip(rows, wavs):
+    kept = [codes[b, : int(lens[b])] for b in rows]
+    for b, wav in zip(rows, codes_to_audio(kept, audio_tokenizer, decoder) if to_audio else kept):
         out[b] = wav
     return out
 

@@ -597,7 +597,7 @@ class Synthesizer:
     def decode(
         self, prepared: list[Prepared], *, continual: bool = False,
         options: DecodeOptions = DecodeOptions(), row_seeds: list[int | None] | None = None,
-        should_stop=None,
+        should_stop=None, to_audio: bool = True,
     ) -> list[torch.Tensor | Failure]:
         """One (N,) float waveform at 24 kHz per prepared unit, decoded as one batch, or a
         ``Failure`` for a unit that has none (the decoding half: ``valle.engine``)."""
@@ -605,7 +605,7 @@ class Synthesizer:
             self.model, prepared, pad_id=self.collater.pad_id, device=self.device,
             audio_tokenizer=self.audio_tokenizer, decoder=self.decoder, options=options,
             continual=continual, code_vectors=self._code_vectors(options.nar_decoding),
-            row_seeds=row_seeds, should_stop=should_stop,
+            row_seeds=row_seeds, should_stop=should_stop, to_audio=to_audio,
         )  # fmt: skip
 
     def synthesize(

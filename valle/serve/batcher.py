@@ -7,6 +7,9 @@ that can be decoded together (same checkpoint, language and decoding options) in
 * **Gathering.** The worker waits ``window`` seconds after the oldest job arrived (less when a
   batch is full already), then takes every queued job of that job's group, oldest first, up to
   ``max_batch`` rows. Jobs that arrive while a batch decodes join the next one.
+* **Pipelined.** With a ``finish`` stage (codes to audio), a second thread runs it for one
+  batch while the worker decodes the next: the model's steps (short ops, Python between them)
+  and the codec's large convolutions share the cores instead of taking turns.
 * **Abandoned work.** ``cancel`` removes a queued job at once; a job being decoded has its rows
   flagged in the batch's ``gone`` mask, which the decoder reads before every step (the rows then
   stop). A job past its deadline is treated the same way, by the worker itself.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -80,22 +84,28 @@ class Batcher:
     """One worker thread decoding batches of queued jobs (see the module's docstring).
 
     ``decode(payloads, should_stop) -> one output per payload`` runs on the worker thread;
-    ``should_stop()`` gives the (rows,) mask of abandoned rows or None.
+    ``should_stop()`` gives the (rows,) mask of abandoned rows or None. ``finish(payloads,
+    outputs) -> results`` (optional) runs on the finishing thread for the jobs still wanted.
     """
 
     def __init__(self, decode: Callable[[list[Any], Callable[[], torch.Tensor | None]], list[Any]],
                  max_queue: int | None = None, window: float = 0.01, max_batch: int = 16,
-                 on_batch: Callable[[list[Job], float], None] | None = None):  # fmt: skip
+                 on_batch: Callable[[list[Job], float], None] | None = None,
+                 finish: Callable[[list[Any], list[Any]], list[Any]] | None = None):  # fmt: skip
         self.decode, self.max_queue, self.window = decode, max_queue, window
-        self.max_batch, self.on_batch = max(1, max_batch), on_batch
+        self.max_batch, self.on_batch, self.finish = max(1, max_batch), on_batch, finish
         self._queue: list[Job] = []
         self._reserved = 0
         self._running: list[Job] = []
         self._cond = threading.Condition()
         self._closed = False
-        self._seconds_per_job: float | None = None  # moving average, for auto and Retry-After
-        self._thread = threading.Thread(target=self._loop, name="synthesis", daemon=True)
-        self._thread.start()
+        self._seconds_per_job: dict[str, float] = {}  # per stage, moving averages: auto, Retry-After
+        self._threads = [threading.Thread(target=self._loop, name="synthesis", daemon=True)]
+        if finish is not None:  # one batch finishing, the next one waiting for it at most
+            self._handoff: queue.Queue = queue.Queue(maxsize=1)
+            self._threads.append(threading.Thread(target=self._finish_loop, name="codes-to-audio", daemon=True))
+        for thread in self._threads:
+            thread.start()
 
     # ------------------------------------------------------------------ the request side
     @property
@@ -109,18 +119,23 @@ class Batcher:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return all(thread.is_alive() for thread in self._threads)
+
+    @property
+    def seconds_per_job(self) -> float | None:
+        """The slowest stage's recent seconds per job: the rate the queue drains at."""
+        return max(self._seconds_per_job.values(), default=None)
 
     def limit(self) -> int:
         if self.max_queue is not None:
             return self.max_queue
-        if self._seconds_per_job is None:
+        if self.seconds_per_job is None:
             return AUTO_QUEUE_START
-        return max(AUTO_QUEUE_FLOOR, int(AUTO_QUEUE_SECONDS / max(self._seconds_per_job, 1e-3)))
+        return max(AUTO_QUEUE_FLOOR, int(AUTO_QUEUE_SECONDS / max(self.seconds_per_job, 1e-3)))
 
     def retry_after(self) -> int:
         """Seconds until the queue has likely moved on (at least 1)."""
-        per_job = self._seconds_per_job or 1.0
+        per_job = self.seconds_per_job or 1.0
         return max(1, min(int(AUTO_QUEUE_SECONDS), math.ceil(self.depth * per_job)))
 
     def reserve(self) -> Ticket:
@@ -165,6 +180,11 @@ class Batcher:
                 job.future.cancel()
             self._queue.clear()
             self._cond.notify_all()
+        if self.finish is not None:
+            try:
+                self._handoff.put_nowait(None)
+            except queue.Full:  # the finishing thread is busy: it is a daemon, let it be
+                pass
 
     # ------------------------------------------------------------------ the worker
     def _loop(self) -> None:
@@ -248,17 +268,45 @@ class Batcher:
         started = time.monotonic()
         outputs = self.decode([job.payload for job in batch], should_stop)
         elapsed = time.monotonic() - started
-        per_job = elapsed / len(batch)
-        self._seconds_per_job = per_job if self._seconds_per_job is None else \
-            0.8 * self._seconds_per_job + 0.2 * per_job  # fmt: skip
+        self._timed("decode", elapsed, len(batch))
         if self.on_batch is not None:
             self.on_batch(batch, elapsed)
         with self._cond:
-            for job, output in zip(batch, outputs):
+            for job in batch:
                 job._gone = None
+        if self.finish is None:
+            self._deliver(batch, outputs)
+        else:
+            self._handoff.put((batch, outputs))
+
+    def _timed(self, stage: str, seconds: float, jobs: int) -> None:
+        per_job, old = seconds / max(1, jobs), self._seconds_per_job.get(stage)
+        self._seconds_per_job[stage] = per_job if old is None else 0.8 * old + 0.2 * per_job
+
+    def _deliver(self, batch: list[Job], outputs: list[Any]) -> None:
+        with self._cond:
+            for job, output in zip(batch, outputs):
                 if job.future.done():
                     continue
                 if job.cancelled:
                     job.future.set_exception(Cancelled(job.cancelled))
                 else:
                     job.future.set_result(output)
+
+    def _finish_loop(self) -> None:
+        while (handed := self._handoff.get()) is not None:
+            batch, outputs = handed
+            wanted = [k for k, job in enumerate(batch) if not job.cancelled]
+            started = time.monotonic()
+            try:
+                done = self.finish([batch[k].payload for k in wanted], [outputs[k] for k in wanted])
+            except BaseException as e:  # every job of the batch hears of it
+                logger.exception("finishing a batch of %d job(s) failed", len(batch))
+                with self._cond:
+                    for job in batch:
+                        if not job.future.done():
+                            job.future.set_exception(e)
+                continue
+            self._timed("finish", time.monotonic() - started, len(wanted))
+            finished = dict(zip(wanted, done))
+            self._deliver(batch, [finished.get(k) for k in range(len(batch))])

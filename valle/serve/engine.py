@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from valle.codec.constants import SAMPLE_RATE
-from valle.engine import Failure, Prepared
+from valle.engine import Failure, Prepared, codes_to_audio
 from valle.infer import (
     InputError,
     Item,
@@ -120,6 +120,8 @@ class Backend(Protocol):
     def check(self, args: argparse.Namespace, item: Item) -> None: ...
 
     def admit(self, args: argparse.Namespace, item: Item) -> Admitted: ...
+
+    # optional: ``finish(batch, outputs)``, on a thread of its own while the next batch decodes
 
     def decode(self, batch: list[Admitted], should_stop) -> list[list[torch.Tensor | Failure]]: ...
 
@@ -234,12 +236,25 @@ class InferBackend:
         units = [u for a in batch for u in a.units]
         seeds = [a.seed for a in batch for _ in a.units]
         outputs = ctx.synth.decode(units, continual=ctx.continual, options=ctx.options,
-                                   row_seeds=seeds, should_stop=should_stop)  # fmt: skip
-        per_request, start = [], 0
-        for a in batch:
-            per_request.append(outputs[start : start + len(a.units)])
-            start += len(a.units)
-        return per_request
+                                   row_seeds=seeds, should_stop=should_stop, to_audio=False)  # fmt: skip
+        return _per_request(batch, outputs)
+
+    def finish(self, batch: list[Admitted], outputs: list[list]) -> list[list[torch.Tensor | Failure]]:
+        """Codes to audio for the requests still wanted, as one batch (valle.engine)."""
+        synth = batch[0].context.synth
+        flat = [o for per in outputs for o in per]
+        codes = [o for o in flat if not isinstance(o, Failure)]
+        wavs = iter(codes_to_audio(codes, synth.audio_tokenizer, synth.decoder))
+        return _per_request(batch, [o if isinstance(o, Failure) else next(wavs) for o in flat])
+
+
+def _per_request(batch: list[Admitted], flat: list) -> list[list]:
+    """Outputs per unit, regrouped per request."""
+    per_request, start = [], 0
+    for a in batch:
+        per_request.append(flat[start : start + len(a.units)])
+        start += len(a.units)
+    return per_request
 
 
 def join_pieces(pieces: list[torch.Tensor | Failure], gap_seconds: float) -> torch.Tensor:
@@ -351,8 +366,9 @@ class SynthesisService:
         self.request_timeout = request_timeout
         self.admission = AdmissionThread()
         self.metrics = ServeMetrics()
+        finish = getattr(backend, "finish", None)
         self.batcher = Batcher(self._decode, max_queue=max_queue, window=window, max_batch=max_batch,
-                               on_batch=self.metrics.observe_batch)  # fmt: skip
+                               on_batch=self.metrics.observe_batch, finish=finish)  # fmt: skip
         self.metrics.watch(self.batcher)
 
     def _decode(self, batch: list[Admitted], should_stop):
