@@ -129,7 +129,7 @@ class ServerProcess:
         self._out.close()
 
 
-def post(client, text: str = TEXT, timeout: float = 60.0, **fields):
+def post(client, text: str = TEXT, timeout: float = 300.0, **fields):
     data = {"checkpoint": "best-valid-loss.pt", "text": text, "prompt_text": PROMPT_TEXT,
             "prompt_name": "fox.wav", **{k: str(v) for k, v in fields.items()}}  # fmt: skip
     return client.post("/api/synthesize", data=data, timeout=timeout)

@@ -463,3 +463,79 @@ def test_lora_adapters_in_the_exp_dir_are_served_on_their_base(served, tmp_path)
     app = create_app_from_args(*parse_args(_server_argv(served, **{"--exp-dir": exp})))
     response = _post(TestClient(app, raise_server_exceptions=False), prompt_name="fox.wav")
     assert response.status_code == 200, response.text
+
+
+# ---------------------------------------------------------------- the batcher alone
+def _batcher(decode, **kw):
+    from valle.serve.batcher import Batcher
+
+    return Batcher(decode, window=0.05, **kw)
+
+
+@pytest.mark.timeout(60)
+def test_batcher_groups_by_key_drops_cancelled_and_stops_running_rows():
+    from valle.serve.batcher import Cancelled, Job
+
+    started, release, seen, stops = threading.Event(), threading.Event(), [], []
+
+    def decode(payloads, should_stop):
+        seen.append(list(payloads))
+        if payloads[0] == "hold":
+            started.set()
+            assert release.wait(30)
+            stops.append(should_stop())  # a step after the client left: its rows read True
+        return [f"{p}!" for p in payloads]
+
+    batcher = _batcher(decode)
+    try:
+        held = Job("a", 2, "hold")
+        batcher.submit(held, batcher.reserve())
+        assert started.wait(30)
+        queued = [Job("a", 1, "a1"), Job("b", 1, "b1"), Job("a", 1, "a2"), Job("a", 1, "gone")]
+        for job in queued:
+            batcher.submit(job, batcher.reserve())
+        assert batcher.depth == 4 and batcher.running == 1
+        assert batcher.cancel(queued[3], "dropped")  # queued: out at once, never decoded
+        assert batcher.depth == 3
+        with pytest.raises(Cancelled, match="dropped"):
+            queued[3].future.result(timeout=1)
+        assert batcher.cancel(held, "dropped")  # decoding: its rows are flagged for the next step
+        release.set()
+        with pytest.raises(Cancelled):
+            held.future.result(timeout=30)
+        assert stops[0].tolist() == [True, True]
+        assert [j.future.result(timeout=30) for j in queued[:3]] == ["a1!", "b1!", "a2!"]
+        # the same key together (oldest first), the other key in a batch of its own
+        assert seen[1:] == [["a1", "a2"], ["b1"]]
+    finally:
+        batcher.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_batcher_bounds_its_queue_and_ends_work_past_its_deadline():
+    from valle.serve.batcher import Cancelled, Job, QueueFull
+
+    release = threading.Event()
+    batcher = _batcher(lambda payloads, stop: [release.wait(30) and p for p in payloads], max_queue=2)
+    try:
+        first = Job("a", 1, "first")
+        batcher.submit(first, batcher.reserve())
+        deadline = time.monotonic() + 30
+        while batcher.running < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        late = Job("a", 1, "late", deadline=time.monotonic() + 0.05)
+        batcher.submit(late, batcher.reserve())
+        ticket = batcher.reserve()  # a request being checked holds its slot too
+        with pytest.raises(QueueFull) as full:
+            batcher.reserve()
+        assert full.value.retry_after >= 1 and "2 requests queued" in str(full.value)
+        ticket.release()
+        time.sleep(0.1)
+        release.set()
+        assert first.future.result(timeout=30) == "first"
+        with pytest.raises(Cancelled, match="timed_out"):  # nobody waits for it any more
+            late.future.result(timeout=30)
+        assert batcher.depth == 0
+    finally:
+        batcher.shutdown()
