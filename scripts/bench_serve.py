@@ -209,6 +209,7 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--per-client", type=int, default=8)
     args = p.parse_args()
+    load = os.getloadavg()[0]  # other work on the cores slows every row alike, not the ratios
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     try:
         exp = make_exp(tmp)
@@ -221,7 +222,8 @@ def main() -> int:
                 rate1, median = sequential(server.url, args.requests)
                 rate16 = concurrent(server.url, args.clients, args.per_client)
             rows.append((name, rate1, median, rate16))
-        print(f"tiny checkpoint, example prompt, {TEXT!r}; {os.cpu_count()} CPU cores, torch's default threads\n")
+        print(f"tiny checkpoint, example prompt, {TEXT!r}; {os.cpu_count()} CPU cores, OMP_NUM_THREADS="
+              f"{os.environ.get('OMP_NUM_THREADS', 'unset')}, load average {load:.1f} at the start\n")  # fmt: skip
         print(f"| server | 1 client: requests/s | 1 client: median latency | {args.clients} clients: "
               f"requests/s | {args.clients} clients / 1 client |")  # fmt: skip
         print("| --- | --- | --- | --- | --- |")
