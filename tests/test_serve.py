@@ -539,3 +539,33 @@ def test_batcher_bounds_its_queue_and_ends_work_past_its_deadline():
         assert batcher.depth == 0
     finally:
         batcher.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_batcher_skips_a_job_whose_waiter_went_away():
+    from valle.serve.batcher import Job
+
+    release, seen = threading.Event(), []
+
+    def decode(payloads, stop):
+        seen.append(list(payloads))
+        assert release.wait(30)
+        return payloads
+
+    batcher = _batcher(decode)
+    try:
+        first = Job("a", 1, "first")
+        batcher.submit(first, batcher.reserve())
+        while batcher.running < 1:
+            time.sleep(0.01)
+        orphan, expired = Job("a", 1, "orphan"), Job("a", 1, "expired", deadline=time.monotonic())
+        later = Job("a", 1, "later")
+        for job in (orphan, expired, later):
+            batcher.submit(job, batcher.reserve())
+        orphan.future.cancel()  # its waiter was cancelled without telling the batcher
+        expired.future.cancel()
+        release.set()
+        assert later.future.result(timeout=30) == "later" and batcher.alive
+        assert seen == [["first"], ["later"]]
+    finally:
+        batcher.shutdown()

@@ -68,6 +68,12 @@ class Job:
     _gone: torch.Tensor | None = None  # its rows of the running batch's stop mask
 
 
+def _fail(job: Job, error: BaseException) -> None:
+    """``job``'s future raises ``error``, unless it is done (or was cancelled by its waiter)."""
+    if not job.future.done():
+        job.future.set_exception(error)
+
+
 class Ticket:
     """A reserved queue slot, turned into a queued job by ``Batcher.submit`` or given back."""
 
@@ -163,13 +169,15 @@ class Batcher:
         """End ``job`` (``dropped`` or ``timed_out``): out of the queue, or its rows stopped at
         the next decoding step. False when it had finished already."""
         with self._cond:
+            if job in self._queue:  # its future may be cancelled already (the waiter is gone)
+                self._queue.remove(job)
+                job.cancelled = job.cancelled or reason
+                _fail(job, Cancelled(reason))
+                return True
             if job.future.done() or job.cancelled:
                 return False
             job.cancelled = reason
-            if job in self._queue:
-                self._queue.remove(job)
-                job.future.set_exception(Cancelled(reason))
-            elif job._gone is not None:
+            if job._gone is not None:
                 job._gone.fill_(True)
             return True
 
@@ -199,9 +207,9 @@ class Batcher:
                 self._run(batch, gone)
             except BaseException as e:  # every job of the batch hears of it
                 logger.exception("synthesis batch of %d job(s) failed", len(batch))
-                for job in batch:
-                    if not job.future.done():
-                        job.future.set_exception(e)
+                with self._cond:
+                    for job in batch:
+                        _fail(job, e)
             finally:
                 with self._cond:
                     self._running = []
@@ -245,10 +253,13 @@ class Batcher:
 
     def _expire(self, now: float) -> None:
         """Queued jobs past their deadline end as ``timed_out`` (called with the lock held)."""
+        for job in [j for j in self._queue if j.future.done()]:  # nobody waits for it
+            self._queue.remove(job)
+            job.cancelled = job.cancelled or "dropped"
         for job in [j for j in self._queue if j.deadline is not None and j.deadline < now]:
             self._queue.remove(job)
             job.cancelled = "timed_out"
-            job.future.set_exception(Cancelled("timed_out"))
+            _fail(job, Cancelled("timed_out"))
 
     def _run(self, batch: list[Job], gone: torch.Tensor) -> None:
         """Decode ``batch``; ``gone`` is the stop mask whose slices the jobs' ``_gone`` view."""
@@ -286,11 +297,9 @@ class Batcher:
     def _deliver(self, batch: list[Job], outputs: list[Any]) -> None:
         with self._cond:
             for job, output in zip(batch, outputs):
-                if job.future.done():
-                    continue
                 if job.cancelled:
-                    job.future.set_exception(Cancelled(job.cancelled))
-                else:
+                    _fail(job, Cancelled(job.cancelled))
+                elif not job.future.done():
                     job.future.set_result(output)
 
     def _finish_loop(self) -> None:
@@ -304,8 +313,7 @@ class Batcher:
                 logger.exception("finishing a batch of %d job(s) failed", len(batch))
                 with self._cond:
                     for job in batch:
-                        if not job.future.done():
-                            job.future.set_exception(e)
+                        _fail(job, e)
                 continue
             self._timed("finish", time.monotonic() - started, len(wanted))
             finished = dict(zip(wanted, done))

@@ -447,8 +447,9 @@ class SynthesisService:
         finally:
             if watcher is not None:
                 watcher.cancel()
-            if not future.done():
-                future.cancel()  # the asyncio side only: the batcher has cancelled the job
+            if not future.done():  # e.g. this task was cancelled: nobody will collect the job
+                self.batcher.cancel(job, "dropped")
+                future.cancel()
 
 
 async def _watch(disconnected, every: float = 0.05) -> None:
