@@ -4,7 +4,7 @@ that can be decoded together (same checkpoint, language and decoding options) in
 * **Bounded.** A slot is reserved before a request is checked and prepared; when the queue is
   full ``reserve`` raises ``QueueFull`` with a retry delay (the server answers 503). ``auto``
   bounds it at about ``AUTO_QUEUE_SECONDS`` of work at the measured speed.
-* **Gathering.** The worker waits ``window`` seconds after the oldest job arrived (less when a
+* **Gathering.** The worker waits ``window`` seconds after the oldest job was queued (less when a
   batch is full already), then takes every queued job of that job's group, oldest first, up to
   ``max_batch`` rows. Jobs that arrive while a batch decodes join the next one.
 * **Pipelined.** With a ``finish`` stage (codes to audio), a second thread runs it for one
@@ -60,7 +60,8 @@ class Job:
     rows: int  # units it decodes (one, or one per sentence)
     payload: Any  # what the decode function takes
     deadline: float | None = None  # time.monotonic() after which nobody collects it
-    arrived: float = field(default_factory=time.monotonic)
+    arrived: float = field(default_factory=time.monotonic)  # the request's, for its waiting time
+    queued: float = 0.0  # when it entered the queue: the gathering window counts from here
     future: Future = field(default_factory=Future)
     started: float | None = None
     batch_rows: int = 0  # rows of the batch it was decoded in
@@ -161,6 +162,7 @@ class Batcher:
             if ticket.open:
                 ticket.open = False
                 self._reserved -= 1
+            job.queued = time.monotonic()
             self._queue.append(job)
             self._cond.notify_all()
         return job.future
@@ -221,7 +223,7 @@ class Batcher:
             if self._closed:
                 return None
             first = self._queue[0]
-            until = first.arrived + self.window
+            until = first.queued + self.window
             while not self._closed and (wait := until - time.monotonic()) > 0 \
                     and self._rows_like(first) < self.max_batch:  # fmt: skip
                 self._cond.wait(wait)
