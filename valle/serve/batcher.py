@@ -4,8 +4,9 @@ that can be decoded together (same checkpoint, language and decoding options) in
 * **Bounded.** A slot is reserved before a request is checked and prepared; when the queue is
   full ``reserve`` raises ``QueueFull`` with a retry delay (the server answers 503). ``auto``
   bounds it at about ``AUTO_QUEUE_SECONDS`` of work at the measured speed.
-* **Gathering.** The worker waits ``window`` seconds after the oldest job was queued (less when a
-  batch is full already), then takes every queued job of that job's group, oldest first, up to
+* **Gathering.** The worker waits up to ``window`` seconds after the oldest job was queued,
+  while other requests are being checked (they may join; a lone request starts at once) and
+  the batch is not full, then takes every queued job of that job's group, oldest first, up to
   ``max_batch`` rows. Jobs that arrive while a batch decodes join the next one.
 * **Pipelined.** With a ``finish`` stage (codes to audio), a second thread runs it for one
   batch while the worker decodes the next: the model's steps (short ops, Python between them)
@@ -156,6 +157,7 @@ class Batcher:
     def _release(self) -> None:
         with self._cond:
             self._reserved -= 1
+            self._cond.notify_all()
 
     def submit(self, job: Job, ticket: Ticket) -> Future:
         with self._cond:
@@ -224,7 +226,8 @@ class Batcher:
                 return None
             first = self._queue[0]
             until = first.queued + self.window
-            while not self._closed and (wait := until - time.monotonic()) > 0 \
+            # only while requests are being checked (they may join): a lone one starts at once
+            while not self._closed and (wait := until - time.monotonic()) > 0 and self._reserved \
                     and self._rows_like(first) < self.max_batch:  # fmt: skip
                 self._cond.wait(wait)
             if self._closed:
