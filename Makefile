@@ -3,19 +3,24 @@
 
 PYTHON ?= python3
 VENV   ?= .venv
+# The suite's torch: pyproject only asks torch>=2.5, but the test-time reference extra (ref:
+# torchaudio, encodec, vocos, against which valle's own codecs are checked) needs the torchaudio
+# of the same release, and torchaudio stopped at 2.11. `make smoke-newest-torch` covers the newest.
+TORCH_VERSION ?= 2.9.1
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test lint bench gpu-check oom-sweep clean
+.PHONY: install demo test smoke-newest-torch lint bench gpu-check oom-sweep clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch and torchaudio must be the same release (encodec imports torchaudio).
-	$(PY) -m pip install -q -e '.[dev,eval,vocos,pinyin,ja,serve,browser]'
+	# torch and torchaudio pinned together: torchaudio requires its own torch release exactly.
+	$(PY) -m pip install -q -e '.[dev,eval,pinyin,ja,serve,vallex,browser,ref]' \
+	    'torch==$(TORCH_VERSION)' 'torchaudio==$(TORCH_VERSION)'
 	@touch $@
 
 demo: install
@@ -26,6 +31,11 @@ demo: install
 TEST_WORKERS ?= 2
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+
+# The smoke set (tests marked `smoke`) in ./.venv-newtorch on the newest CPU torch, with
+# valle's own requirements only (no torchaudio, encodec or vocos); SMOKE_TORCH=2.x.y for another.
+smoke-newest-torch:
+	PYTHON=$(PYTHON) bash scripts/smoke_newest_torch.sh
 
 lint: install
 	$(VENV)/bin/ruff check .

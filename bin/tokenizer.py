@@ -11,8 +11,9 @@ Output: {output-dir}/{prefix}_cuts_{part}.{suffix}      one cut per supervision,
         {output-dir}/unique_text_tokens.k2symbols         symbol table (k2 format, merged under a lock)
 
 Restartable: a part whose cuts file exists is skipped; inside a part, finished chunks
-(--chunk-size cuts) are kept, so a crash loses at most one chunk. Parts may run as parallel
-jobs into the same --output-dir.
+(--chunk-size cuts) are kept, so a crash loses at most one chunk, and a relaunch may come at
+once (a killed worker leaves no process holding its chunk). Parts may run as parallel jobs
+into the same --output-dir.
 
 Many workers on one part: `torchrun --nnodes N --nproc-per-node G bin/tokenizer.py ...` (each
 on cuda:LOCAL_RANK), a SLURM job array, or --num-shards N --shard-index K per process. Worker
@@ -49,8 +50,10 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", default="libritts")
     p.add_argument("--dataset-parts", default="dev-clean test-clean", help="space-separated parts")
     p.add_argument("--suffix", default="jsonl.gz")
-    p.add_argument("--text-extractor", default="espeak", choices=["espeak", "pypinyin"],
-                   help="pypinyin: Mandarin characters -> pinyin initials/finals with tones")
+    p.add_argument("--text-extractor", default="espeak", choices=["espeak", "pypinyin", "vallex-bpe"],
+                   help="pypinyin: Mandarin characters -> pinyin initials/finals with tones; "
+                        "vallex-bpe: Plachtaa/VALL-E-X's phonemes (en, zh, ja), with --text-tokens "
+                        "from `python -m valle.data.vallex_text symbols` (docs/inference.md)")
     p.add_argument("--language", default="en-us",
                    help="espeak voice for supervisions without a language (names, ISO 639-1/3 work too)")
     p.add_argument("--audio-extractor", default="Encodec", choices=["Encodec"])

@@ -85,6 +85,14 @@ tmp=$(mktemp)
   echo
   python scripts/bench_combine.py --sizes 100000,400000 2>/dev/null
   echo
+  echo "## EnCodec: valle's own model against the encodec package (same weights, codes checked equal)"
+  echo
+  echo '```'
+  echo "python scripts/bench_codec.py --threads 2"
+  echo '```'
+  echo
+  python scripts/bench_codec.py --threads 2 2>/dev/null
+  echo
   echo "## Synthesis server under load: batching across requests, refusals with a full queue"
   echo
   echo '```'

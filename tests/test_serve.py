@@ -116,6 +116,7 @@ def _check_wav(content: bytes) -> float:
     return len(wav) / sr
 
 
+@pytest.mark.smoke
 @pytest.mark.timeout(300)
 def test_options_list_checkpoints_prompts_and_defaults(client):
     body = client.get("/api/options").json()
@@ -135,6 +136,7 @@ def test_languages_of_a_checkpoint(client):
     assert client.get("/api/languages", params={"checkpoint": "epoch-1.pt"}).json()["languages"] == ["en-us"]
 
 
+@pytest.mark.smoke
 @pytest.mark.timeout(300)
 def test_uploaded_prompt_gives_a_playable_wav_and_spectrogram(client, served):
     response = _post(client, prompt=served["prompt"], seed=3, num_candidates=2, temperature=0.9)

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -86,6 +86,66 @@ class RunResult:
     failures: list[Failure] = field(default_factory=list)
 
 
+class _PadOnly(NamedTuple):
+    """What ``decode`` reads of a collater: the text's padding id."""
+
+    pad_id: int
+
+
+# ------------------------------------------------------------ VALL-E X prompts
+VALLEX_FRONTEND = "vallex-bpe"
+PROMPT_FILE_SUFFIX = ".npz"
+
+
+class PromptFile(NamedTuple):
+    codes: torch.Tensor  # (P, Q)
+    text_ids: list[int]
+    language: str
+
+
+def is_prompt_file(path: str) -> bool:
+    return str(path).lower().endswith(PROMPT_FILE_SUFFIX)
+
+
+def read_prompt_file(path: str, name: str) -> PromptFile:
+    """A VALL-E X prompt (``.npz``: ``audio_tokens`` (1, P, 8), ``text_tokens`` (1, S) and
+    ``lang_code``, numbered as its ``macros.lang2code``: zh 0, ja 1, en 2)."""
+    import numpy as np
+
+    from valle.data.vallex_text import PROMPT_FILE_LANGUAGES
+
+    keys = ("audio_tokens", "text_tokens", "lang_code")
+    try:
+        with np.load(path) as data:
+            fields = {k: data[k] for k in keys if k in data.files}
+    except Exception as e:  # missing, not an npz
+        raise InputError(f"{name}: cannot read prompt file {path}: {e}") from e
+    missing = [k for k in keys if k not in fields]
+    if missing:
+        raise InputError(f"{name}: prompt file {path} lacks {', '.join(missing)} (a VALL-E X "
+                         "prompt holds audio_tokens, text_tokens and lang_code)")  # fmt: skip
+    audio = fields["audio_tokens"]
+    codes = torch.from_numpy(audio.astype("int64")).reshape(-1, audio.shape[-1])
+    code = int(np.asarray(fields["lang_code"]).reshape(-1)[0])
+    if code not in PROMPT_FILE_LANGUAGES:
+        raise InputError(f"{name}: prompt file {path}: lang_code {code} is none of VALL-E X's "
+                         f"{PROMPT_FILE_LANGUAGES}")  # fmt: skip
+    return PromptFile(codes, [int(i) for i in fields["text_tokens"].reshape(-1)],
+                      PROMPT_FILE_LANGUAGES[code])  # fmt: skip
+
+
+def vallex_language(language: str, table: list[str], flag: str) -> str:
+    """A VALL-E X checkpoint's language by its name (or auto/mix)."""
+    from valle.data.vallex_text import AUTO as VALLEX_AUTO
+    from valle.data.vallex_text import MIX, language_code
+
+    lang = language_code(language)
+    if lang not in (*table, VALLEX_AUTO, MIX):
+        raise InputError(f"{flag} {language}: this VALL-E X checkpoint reads {', '.join(table)}, "
+                         f"{MIX} ([EN]..[EN][ZH]..[ZH] tagged text) or {VALLEX_AUTO}")  # fmt: skip
+    return lang
+
+
 # ------------------------------------------------------------------- arguments
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -93,11 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--checkpoint", required=True,
-                   help="a checkpoint of bin/trainer.py or lifeiteng/vall-e; an exp dir: its "
+                   help="a checkpoint of bin/trainer.py, lifeiteng/vall-e or Plachtaa/VALL-E-X; "
+                        "hf:OWNER/REPO/FILE: from the Hugging Face hub's cache; an exp dir: its "
                         f"{BEST_CHECKPOINT}, else its newest epoch-*.pt")  # fmt: skip
     p.add_argument("--text-prompts", default="",
                    help="transcript of the prompt audio; several joined by '|' (see --prompt-join)")  # fmt: skip
-    p.add_argument("--audio-prompts", default="", help="prompt wav file(s), several joined by '|'")
+    p.add_argument("--audio-prompts", default="",
+                   help="prompt wav file(s), several joined by '|'; a VALL-E X checkpoint also "
+                        "takes its .npz prompts (codes, text ids and language: no --text-prompts)")  # fmt: skip
     p.add_argument("--text", default="", help="text(s) to synthesise, several joined by '|'")
     p.add_argument("--prompt-join", default="concat", choices=["concat", "pair"],
                    help="several prompts: concat = one prompt made of all of them, used for every "
@@ -130,11 +193,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the base with the adapters merged into its weights to OUT (a normal "
                         "checkpoint), then synthesise if there is text")  # fmt: skip
     p.add_argument("--text-tokens", default=None, help="symbol table; default: the checkpoint's")
+    p.add_argument("--bpe-vocab", default=None,
+                   help="Plachtaa/VALL-E-X checkpoints (text frontend vallex-bpe): its "
+                        "utils/g2p/bpe_69.json; default: bpe_69.json next to the checkpoint")  # fmt: skip
     p.add_argument("--language", default="en-us",
                    help="espeak language of --text; auto: each sentence in the language of its "
                         "script that the checkpoint's symbol table covers (docs/inference.md)")  # fmt: skip
     p.add_argument("--prompt-language", default=None,
                    help="espeak language of --text-prompts (default: --language)")  # fmt: skip
+    p.add_argument("--accent", default=None,
+                   help="Plachtaa/VALL-E-X checkpoints: say the whole text with this language's "
+                        "embedding (en, zh, ja), as VALL-E X's accent option; default: each token "
+                        "its own language")  # fmt: skip
     p.add_argument("--languages", default=None,
                    help="VALL-E X models (--num-languages > 0): the languages in id order, comma "
                         "separated; default: the checkpoint config's 'languages'")  # fmt: skip
@@ -148,8 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random EnCodec weights when none are found (tests only: the audio is noise)")  # fmt: skip
     p.add_argument("--text-extractor", default="espeak", choices=["espeak", "pypinyin"],
                    help="text front-end; pypinyin: Mandarin characters -> pinyin with tones")  # fmt: skip
-    p.add_argument("--decoder", default="encodec", choices=["encodec", "vocos"],
-                   help="codes -> audio: EnCodec's decoder, or Vocos (EnCodec-coded corpora only)")  # fmt: skip
+    p.add_argument("--decoder", default="auto", choices=["auto", "encodec", "vocos"],
+                   help="codes -> audio: EnCodec's decoder, or Vocos (EnCodec-coded corpora only); "
+                        "auto: Vocos for a Plachtaa/VALL-E-X checkpoint (as it decodes) where its "
+                        "weights are on disk, else EnCodec's")  # fmt: skip
     p.add_argument("--vocos-checkpoint", default=None,
                    help="Vocos pytorch_model.bin (charactr/vocos-encodec-24khz); default: hub cache")  # fmt: skip
     p.add_argument("--allow-random-vocos", action="store_true",
@@ -173,6 +245,8 @@ def read_items(args: argparse.Namespace) -> list[Item]:
     prompts, wavs, texts = _split(args.text_prompts), _split(args.audio_prompts), _split(args.text)
     if not wavs:
         raise InputError("--audio-prompts is required (or --tsv)")
+    if not prompts and all(is_prompt_file(w) for w in wavs):
+        prompts = [""] * len(wavs)  # VALL-E X .npz prompts carry their text ids
     if not prompts:
         raise InputError(
             "--text-prompts is required: the transcript of --audio-prompts "
@@ -262,7 +336,12 @@ def select_checkpoint(path: str | Path) -> Path:
     The last epoch is not the best when validation loss rose (a tiny corpus overfits
     fast): ``best-valid-loss.pt`` is what the trainer keeps for synthesis.
     """
-    path = Path(path)
+    from valle.models.convert import CheckpointError, resolve_checkpoint
+
+    try:
+        path = resolve_checkpoint(path)  # hf:OWNER/REPO/FILE: from the hub's cache
+    except CheckpointError as e:
+        raise InputError(f"--checkpoint: {e}") from e
     if not path.is_dir():
         return path
     best = path / BEST_CHECKPOINT
@@ -315,6 +394,9 @@ def load_model(
     config = {**dict(payload.get("config") or {}), **hp}
     if hp.get("source_format") == "lifeiteng":
         logger.info("--checkpoint %s: a lifeiteng/vall-e checkpoint, converted", path)
+    elif hp.get("source_format") == "vallex":
+        logger.info("--checkpoint %s: a Plachtaa/VALL-E-X checkpoint (languages %s), converted",
+                    path, ", ".join(hp["languages"]))
     model = get_model(hp)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
@@ -380,12 +462,27 @@ class Synthesizer:
         languages: list[str] | str | None = None,
         text_extractor: str = "espeak",
         decoder=None,
+        accent: str | None = None,
     ):
         """``decoder``: what turns codes into audio instead of the codec's own decoder
-        (--decoder vocos: a ``VocosDecoder``); None: the codec's."""
+        (--decoder vocos: a ``VocosDecoder``); None: the codec's. ``symbol_table_path``: the
+        checkpoint's text vocabulary, a symbol table, or for a checkpoint whose config names
+        the ``vallex-bpe`` text frontend (Plachtaa/VALL-E-X) its ``bpe_69.json``."""
         from valle.data.symbols import SymbolTable
         from valle.data.text import TextTokenCollater, TextTokenizer
 
+        self.config = dict(checkpoint_config or {})
+        self.frontend = self.config.get("text_frontend") or "espeak"
+        if self.frontend == VALLEX_FRONTEND:
+            self._init_vallex(model, symbol_table_path, device, language, prompt_language,
+                              audio_tokenizer, decoder)  # fmt: skip
+            # VALL-E X's accent option: every token of the text in this one language
+            self.accent = vallex_language(accent, list(self.language_ids), "--accent") if accent else None
+            if self.accent not in (None, *self.language_ids):
+                raise InputError(f"--accent {accent}: one of {', '.join(self.language_ids)}")
+            return
+        if accent:
+            raise InputError("--accent is for Plachtaa/VALL-E-X checkpoints (text frontend vallex-bpe)")
         path = Path(symbol_table_path)
         if not path.is_file():
             raise InputError(f"symbol table {path} not found (pass --text-tokens)")
@@ -402,7 +499,6 @@ class Synthesizer:
         self.collater = TextTokenCollater(table, add_bos=True, add_eos=True)
         self.audio_tokenizer = audio_tokenizer
         self.decoder = decoder
-        self.config = dict(checkpoint_config or {})
         self.language_ids = self._language_ids(model, languages or self.config.get("languages"))
         self.text_limit = text_limit(self.config)
         self._phoneme_cache: dict[tuple[str, str], list[str]] = {}
@@ -410,6 +506,31 @@ class Synthesizer:
         # --language auto picks among these (None: the common voices of each script)
         self.auto_languages = (list(self.language_ids) if self.language_ids is not None
                                else split_languages(languages or self.config.get("languages")) or None)  # fmt: skip
+
+    def _init_vallex(self, model, bpe_vocab, device, language, prompt_language, audio_tokenizer,
+                     decoder) -> None:
+        """The vallex-bpe frontend (valle/data/vallex_text.py): VALL-E X's languages by name
+        (en, zh, ja, mix, auto; espeak spellings of those accepted), ids from the checkpoint's
+        language table."""
+        from valle.data.vallex_text import FrontendError, VallexTokenizer
+
+        try:
+            self.text_tokenizer = VallexTokenizer(bpe_vocab)
+        except FrontendError as e:
+            raise InputError(str(e)) from e
+        self.model, self.device = model, torch.device(device)
+        self.audio_tokenizer, self.decoder = audio_tokenizer, decoder
+        table = list(self.config.get("languages") or [])
+        if len(table) != getattr(model, "num_languages", 0):
+            raise InputError(f"the checkpoint's language table {table} does not fit its "
+                             f"{getattr(model, 'num_languages', 0)} language rows")  # fmt: skip
+        self.language_ids = {lang: i for i, lang in enumerate(table)}
+        self.language = vallex_language(language, table, "--language")
+        self.prompt_language = vallex_language(prompt_language or language, table, "--prompt-language")
+        pad = self.text_tokenizer.bpe.token_to_id("[PAD]")
+        self.collater = _PadOnly(0 if pad is None else pad)
+        self.text_limit = None
+        self.auto_languages = None
 
     def _language_ids(self, model, languages) -> dict[str, int] | None:
         """VALL-E X: espeak language -> id, checked against the model and the two languages."""
@@ -502,6 +623,8 @@ class Synthesizer:
     def text_problem(self, item: Item, split_sentences: bool = False) -> TextProblem | None:
         """Why ``item`` cannot be synthesised as given (valle/infer_checks.py), or None: letters
         its languages cannot read, or a text longer than the checkpoint takes in one piece."""
+        if self.frontend == VALLEX_FRONTEND:
+            return self._vallex_problem(item)
         for text, language, field_name in ((item.text, self.language, "text"),
                                            (item.prompt_text, self.prompt_language, "prompt_text")):  # fmt: skip
             segments = self._segments(text, language, field_name)
@@ -540,6 +663,11 @@ class Synthesizer:
 
         if not item.text.strip() and not continual:
             raise InputError(f"{item.name}: the text to synthesise is empty")
+        if self.frontend == VALLEX_FRONTEND:
+            return self._vallex_text_ids(item)
+        if any(is_prompt_file(p) for p in item.prompt_wavs):
+            raise InputError(f"{item.name}: a VALL-E X prompt file (.npz) holds VALL-E X text ids, "
+                             "for a vallex-bpe checkpoint only: give a wav and its transcript")  # fmt: skip
         prompt, prompt_langs = self._said(item.prompt_text, self.prompt_language, "prompt_text", item)
         text, text_langs = self._said(item.text, self.language, "text", item)
         if prompt and text:
@@ -557,8 +685,63 @@ class Synthesizer:
         langs = [self.language_ids[lang] for lang in bos + prompt_langs + text_langs + eos]
         return torch.tensor(ids, dtype=torch.long), len(prompt), torch.tensor(langs, dtype=torch.long)
 
+    def _vallex_encode(self, text: str, language: str, what: str, item: Item) -> tuple[list[int], list[str]]:
+        from valle.data.vallex_text import FrontendError
+
+        try:
+            return self.text_tokenizer.encode(text, language)
+        except FrontendError as e:
+            raise TextError(what, f"{item.name}: {what.replace('_', ' ')} ({language}): {e}") from e
+
+    def _vallex_prompt_text(self, item: Item) -> tuple[list[int], list[str]]:
+        """The prompt's ids and the language of each: from its .npz files (VALL-E X's own
+        prompts), else its transcript. Each prompt's ids take its one language, as VALL-E X
+        gives the whole prompt one."""
+        files = item.prompt_wavs
+        if files and all(is_prompt_file(p) for p in files):
+            ids, langs = [], []
+            for path in files:
+                prompt = read_prompt_file(path, item.name)
+                ids += prompt.text_ids
+                langs += [prompt.language] * len(prompt.text_ids)
+            return ids, langs
+        if any(is_prompt_file(p) for p in files):
+            raise InputError(f"{item.name}: prompt files mix .npz and audio: give one kind")
+        if not item.prompt_text.strip():
+            return [], []
+        ids, langs = self._vallex_encode(item.prompt_text, self.prompt_language, "prompt_text", item)
+        return ids, [langs[0]] * len(ids)
+
+    def _vallex_text_ids(self, item: Item) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """VALL-E X's ids: the prompt's, then the text's (no BOS/EOS), languages per token."""
+        prompt, prompt_langs = self._vallex_prompt_text(item)
+        text, text_langs = [], []
+        if item.text.strip():
+            text, text_langs = self._vallex_encode(item.text, self.language, "text", item)
+            if self.accent:
+                text_langs = [self.accent] * len(text)
+        if not prompt and not text:
+            raise InputError(f"{item.name}: empty text (and empty prompt text)")
+        ids = self.language_ids
+        missing = sorted(set(prompt_langs + text_langs) - set(ids))
+        if missing:
+            raise InputError(f"{item.name}: language(s) {missing} not in the checkpoint's table {list(ids)}")
+        langs = [ids[lang] for lang in prompt_langs + text_langs]
+        return (torch.tensor(prompt + text, dtype=torch.long), len(prompt),
+                torch.tensor(langs, dtype=torch.long))  # fmt: skip
+
+    def _vallex_problem(self, item: Item) -> TextProblem | None:
+        try:
+            self._vallex_text_ids(item)
+        except TextError as e:
+            return TextProblem(e.field, str(e))
+        except InputError:
+            return None  # reported by prepare, naming the item
+        return None
+
     def _prompt_codes(self, item: Item) -> torch.Tensor:
-        """The prompt's codes (P, Q): every prompt file of ``item`` encoded, joined in time."""
+        """The prompt's codes (P, Q): every prompt file of ``item`` encoded (a VALL-E X .npz
+        prompt: its codes), joined in time."""
         from valle.codec.audio import load_audio_24k
 
         q = self.model.num_quantizers
@@ -566,6 +749,13 @@ class Synthesizer:
             raise InputError(f"{item.name}: no prompt audio file")
         parts = []
         for wav_path in item.prompt_wavs:
+            if is_prompt_file(wav_path):
+                c = read_prompt_file(wav_path, item.name).codes
+                if c.shape[1] < q:
+                    raise InputError(f"{item.name}: prompt {wav_path} has {c.shape[1]} codebooks, "
+                                     f"the model needs {q}")  # fmt: skip
+                parts.append(c[:, :q])
+                continue
             try:
                 wav = load_audio_24k(wav_path)
             except Exception as e:  # unreadable, missing, empty: the message names the file
@@ -713,7 +903,10 @@ def load_for_synthesis(args: argparse.Namespace, device: torch.device):
     a ``Synthesizer`` per request language. Bad input raises ``InputError``."""
     model, config = load_model(args.checkpoint, device, args.use_averaged_model, DTYPES[args.dtype],
                                lora=getattr(args, "lora", None))
-    table = args.text_tokens or config.get("text_tokens")
+    if config.get("text_frontend") == VALLEX_FRONTEND:
+        table = vallex_vocab(args)
+    else:
+        table = args.text_tokens or config.get("text_tokens")
     if not table:
         raise InputError("the checkpoint names no text_tokens symbol table: pass --text-tokens")
     if not Path(table).is_file():  # before the codec loads: a lifeiteng checkpoint names its recipe's path
@@ -730,6 +923,19 @@ def load_for_synthesis(args: argparse.Namespace, device: torch.device):
     return model, config, table, audio_tokenizer
 
 
+def vallex_vocab(args: argparse.Namespace) -> str:
+    """A vallex-bpe checkpoint's BPE vocabulary: --bpe-vocab, else bpe_69.json beside the file."""
+    from valle.data.vallex_text import BPE_VOCAB
+
+    given = getattr(args, "bpe_vocab", None)
+    path = Path(given) if given else select_checkpoint(args.checkpoint).parent / BPE_VOCAB
+    if not path.is_file():
+        raise InputError(f"{'--bpe-vocab' if given else 'the VALL-E X vocabulary'} {path} not found: "
+                         f"put Plachtaa/VALL-E-X's utils/g2p/{BPE_VOCAB} next to the checkpoint or "
+                         "pass --bpe-vocab")  # fmt: skip
+    return str(path)
+
+
 def run(args: argparse.Namespace) -> RunResult:
     if args.merge_lora:
         write_merged_lora(args)
@@ -743,11 +949,14 @@ def run(args: argparse.Namespace) -> RunResult:
     vocos_weights = resolve_vocos(args)
     torch.manual_seed(args.seed)
     model, config, table, audio_tokenizer = load_for_synthesis(args, device)
-    decoder = build_vocos(config, device, vocos_weights, args) if args.decoder == "vocos" else None
+    if args.decoder == "vocos":
+        decoder = build_vocos(config, device, vocos_weights, args)
+    else:
+        decoder = auto_vocos(config, device, args) if args.decoder == "auto" else None
     synth = Synthesizer(model, table, audio_tokenizer, device, language=args.language,
                         prompt_language=args.prompt_language, checkpoint_config=config,
                         languages=args.languages, text_extractor=args.text_extractor,
-                        decoder=decoder)  # fmt: skip
+                        decoder=decoder, accent=args.accent)  # fmt: skip
     return synthesize_items(synth, items, args)
 
 
@@ -763,17 +972,40 @@ def resolve_vocos(args: argparse.Namespace):
         raise InputError(str(e)) from e
 
 
+def auto_vocos(config: dict[str, Any], device, args: argparse.Namespace):
+    """--decoder auto: Vocos for a VALL-E X checkpoint (Plachtaa/VALL-E-X decodes with
+    charactr/vocos-encodec-24khz) when its weights are on disk (--vocos-checkpoint or the hub
+    cache; never a download); otherwise EnCodec's decoder, with a line saying why."""
+    if config.get("text_frontend") != VALLEX_FRONTEND:
+        return None
+    from valle.codec.vocos import VocosWeightsError, resolve_vocos_weights
+
+    try:
+        weights = resolve_vocos_weights(args.vocos_checkpoint, False, download=False)
+        return build_vocos(config, device, weights, args)
+    except (ImportError, VocosWeightsError, InputError) as e:
+        logger.info("decoding with EnCodec's decoder: Vocos, which VALL-E X decodes with, is not "
+                    "usable here (%s); --decoder vocos makes it an error", str(e).splitlines()[0])
+        return None
+
+
 def build_vocos(config: dict[str, Any], device, weights, args: argparse.Namespace):
     """Vocos only for EnCodec-coded corpora (refused for mel-rvq)."""
     from valle.codec import find_codec_record
-    from valle.codec.vocos import VocosCodecError, VocosDecoder, check_codec_for_vocos
+    from valle.codec.vocos import (
+        VocosCodecError,
+        VocosDecoder,
+        VocosWeightsError,
+        check_codec_for_vocos,
+    )
 
     found = find_codec_record(config)
     try:
         check_codec_for_vocos(found[0].get("codec", "encodec") if found else "encodec")
-    except VocosCodecError as e:
+        # a file that is not the EnCodec Vocos (or its config.yaml): one line naming it
+        return VocosDecoder(device, weights, allow_random_weights=weights is None, download=False)
+    except (VocosCodecError, VocosWeightsError) as e:
         raise InputError(str(e)) from e
-    return VocosDecoder(device, weights, allow_random_weights=weights is None, download=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -145,3 +147,33 @@ def train_two_steps(manifest_dir: Path, dataset: str, exp: Path, *model_args: st
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (exp / "checkpoint-2.pt").is_file()
     return proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------- processes left behind
+def alive(pid: int) -> bool:
+    """A process that still exists and is not a zombie (which holds no files)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def killed_workers(pids_file: Path) -> list[int]:
+    """The pids a killed run's workers wrote, one a line."""
+    return [int(x) for x in pids_file.read_text().split()] if pids_file.is_file() else []
+
+
+def survivors(pids: list[int], grace: float = 3.0) -> list[int]:
+    """Those of ``pids`` still alive after ``grace`` seconds (returns as soon as none is)."""
+    deadline = time.monotonic() + grace
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def end_processes(pids: list[int]) -> None:
+    """A test's own leftovers (on the code before a fix: workers sleeping on), ended by id."""
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -56,9 +56,10 @@ def write_speech(path: Path, text: str, voice_index: int, stereo_rate: int | Non
     path.parent.mkdir(parents=True, exist_ok=True)
     if stereo_rate:  # 44.1 kHz stereo: left the voice, right a quieter copy
         import torch
-        import torchaudio.functional as AF
 
-        x = AF.resample(torch.from_numpy(x), sr, stereo_rate).numpy()
+        from valle.codec.audio import resample
+
+        x = resample(torch.from_numpy(x), sr, stereo_rate).numpy()
         x, sr = np.stack([x, 0.5 * x], axis=1), stereo_rate
     sf.write(path, x, sr)
 

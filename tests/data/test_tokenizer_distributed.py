@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import tracemalloc
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from data_testlib import TEXTS, tone
+from data_testlib import TEXTS, end_processes, killed_workers, survivors, tone
 from lhotse import Recording, RecordingSet, SupervisionSegment, SupervisionSet
 
 from valle.data.sharding import Shard, ShardError, resolve_shard
@@ -287,3 +288,101 @@ def test_a_segment_of_a_long_mp3_is_read_by_seeking(tmp_path, monkeypatch):
         len(out := real_read(self, frames, *a, **k))) or out)
     audio = rec.to_cut().truncate(offset=50.0, duration=1.0).load_audio()
     assert audio.shape == (1, 16000) and sum(read_frames) == 16000
+
+
+# ----------------------------------------------------------------------------- SIGKILL mid-chunk
+# tests/data/killed_tokenizer.py is bin/tokenizer.py that SIGKILLs itself in chunk KILL_CHUNK
+# with its chunk file open, one audio worker busy (sleeping) at that moment: torch's own
+# watchdog would let such a worker outlive its parent by minutes, holding what it inherited.
+KILLER = ROOT / "tests" / "data" / "killed_tokenizer.py"
+
+
+def _small_argv(man: Path, out: Path, *extra: str) -> list[str]:
+    # 4 cuts, 2 chunks of 2; one cut per batch: two audio workers each take one
+    return _argv(man, out, "--num-jobs", "2", "--batch-duration", "1", *extra)
+
+
+@pytest.fixture(scope="module")
+def small_reference(tmp_path_factory, tokenizer_cli):
+    tmp = tmp_path_factory.mktemp("small")
+    man = _corpus(tmp, n_short=3, segments=1)
+    assert tokenizer_cli.main(_small_argv(man, tmp / "out", "--num-jobs", "0")) == 0
+    return man, tmp / "out"
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_sigkilled_mid_chunk_relaunched_at_once_reads_like_one_process(small_reference, tmp_path,
+                                                                                tokenizer_cli):
+    man, ref_out = small_reference
+    out, pids_file = tmp_path / "out", tmp_path / "pids"
+    storage = out / f"tok_encodec_{PART}"
+    env = dict(_env(), KILL_CHUNK="1", KILL_PIDS=str(pids_file))
+    # output to a file: a surviving worker of the killed process would hold a pipe open
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.run([sys.executable, str(KILLER), *_small_argv(man, out)], cwd=tmp_path, env=env,
+                              stdout=log, stderr=subprocess.STDOUT, timeout=120)
+    workers = killed_workers(pids_file)
+    try:
+        assert proc.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
+        assert workers, "the kill happened before an audio worker was busy"
+        left = sorted(p.name for p in storage.iterdir())
+        done = sorted(p.name for p in (out / f".tok_chunks_{PART}").glob("0*.json"))
+        # relaunched at once, the same command (in this process: no start-up delay at all)
+        assert tokenizer_cli.main(_small_argv(man, out)) == 0
+        # the half-written chunk was neither visible under its name nor done
+        assert "chunk-000001.h5" not in left and "chunk-000000.h5" in left and done == ["000000.json"]
+        _assert_same(_read(out), _read(ref_out))
+        assert sorted(p.name for p in storage.iterdir()) == ["chunk-000000.h5", "chunk-000001.h5"]
+        # no process of the killed worker is left (it died with its parent)
+        assert survivors(workers) == []
+    finally:
+        end_processes(workers)
+
+
+@pytest.mark.timeout(300)
+def test_an_elastic_restart_after_a_rank_is_sigkilled_mid_chunk_needs_one_restart(small_reference, tmp_path):
+    """torchrun --max-restarts 1: rank 1 is killed in its chunk; the one restart must finish."""
+    man, ref_out = small_reference
+    out, pids_file = tmp_path / "out", tmp_path / "pids"
+    env = dict(_env(), KILL_CHUNK="1", KILL_RANK="1", KILL_PIDS=str(pids_file))
+    with open(tmp_path / "torchrun.log", "w") as log:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             "--max-restarts", "1", "--monitor-interval", "0.1", str(KILLER), *_small_argv(man, out)],
+            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=240)
+    workers = killed_workers(pids_file)
+    try:
+        text = (tmp_path / "torchrun.log").read_text()
+        assert proc.returncode == 0, text[-4000:]
+        assert workers and "failed (exitcode: -9) local_rank: 1" in text  # the first attempt died mid-chunk
+        _assert_same(_read(out), _read(ref_out))
+        assert not list((out / f"tok_encodec_{PART}").glob(".tmp.*"))
+        assert survivors(workers) == []
+    finally:
+        end_processes(workers)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("visible", ["chunk-000001.h5", "000001.jsonl.gz"])
+def test_a_chunk_interrupted_after_a_file_appeared_is_redone_not_taken_for_done(small_reference, tmp_path,
+                                                                               tokenizer_cli, monkeypatch,
+                                                                               visible):
+    """Whatever file of a chunk has appeared, only its meta (written last) makes it done."""
+    from valle.data import pipeline
+
+    man, ref_out = small_reference
+    out = tmp_path / "out"
+    real = pipeline.publish
+
+    def interrupted_after(tmp, path):
+        real(tmp, path)
+        if path.name == visible:
+            raise KeyboardInterrupt(f"simulated kill after {visible} appeared")
+
+    monkeypatch.setattr(pipeline, "publish", interrupted_after)
+    with pytest.raises(KeyboardInterrupt):
+        tokenizer_cli.main(_small_argv(man, out, "--num-jobs", "0"))
+    assert not (out / f".tok_chunks_{PART}" / "000001.json").exists()
+    monkeypatch.setattr(pipeline, "publish", real)
+    assert tokenizer_cli.main(_small_argv(man, out, "--num-jobs", "0")) == 0
+    _assert_same(_read(out), _read(ref_out))

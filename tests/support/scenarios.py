@@ -40,6 +40,14 @@ def matrix_worker(rank: int, world_size: int, runs: list[tuple[str, list[str]]])
     return {name: train_worker(rank, world_size, argv) for name, argv in runs}
 
 
+def exit_worker(rank: int, world_size: int, runs: list[tuple[str, list[str]]]) -> dict[str, int]:
+    """Several trainer runs in one process group, each as bin/trainer.py ends: its exit code."""
+    from valle.train.cli import parse_config
+    from valle.train.loop import main_from_config
+
+    return {name: main_from_config(parse_config(argv)) for name, argv in runs}
+
+
 def agree_worker(rank: int, world_size: int, values: list[float]) -> float:
     """`valle.train.autobatch.agree` with rank r proposing values[r] (the budget every rank
     trains with)."""

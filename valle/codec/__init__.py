@@ -3,7 +3,8 @@
 ``encodec`` is ``valle.codec.encodec.AudioTokenizer`` (pretrained weights; never downloaded).
 ``mel-rvq`` is ``valle.codec.mel_rvq.MelRvqCodec`` (fitted on the corpus itself, no weights).
 Both give 8 codebooks x 1024 codes at 75 frames/s from 24 kHz audio (``valle.codec.constants``).
-Also here: ``encodec`` (the EnCodec tokenizer), ``vocos`` (a Vocos decoder for EnCodec codes),
+Also here: ``encodec`` (the EnCodec tokenizer) with ``encodec_model`` (the network, plain torch),
+``vocos`` (a Vocos decoder for EnCodec codes, plain torch),
 ``weights`` (where pretrained weights come from), ``audio`` (waveforms at 24 kHz). How codes
 are stored as lhotse features is ``valle.data.codes``'s (valle.data uses valle.codec, never
 the reverse).

@@ -24,7 +24,9 @@ def iter_manifest_audio(paths: Sequence[Path], limit: int | None = None) -> Iter
     """24 kHz mono waveforms of every recording (or cut) in lhotse manifests; progress logged."""
     from lhotse import load_manifest_lazy
 
-    from valle.codec.audio import to_mono_24k
+    from valle.codec.audio import to_mono_24k, use_torch_resampling_in_lhotse
+
+    use_torch_resampling_in_lhotse()
 
     n, t0 = 0, time.time()
     for path in paths:

@@ -1,20 +1,22 @@
 """Audio <-> EnCodec codes (24 kHz model, 6 kbps: 8 codebooks at 75 frames/s).
 
 How codes are stored (lhotse features) is ``valle.data.codes``'s business; this module only
-makes them. ``encodec`` is imported inside the functions.
+makes them. The network is ``valle.codec.encodec_model`` (plain torch: no ``encodec`` package,
+no torchaudio); its codes are the ``encodec`` package's bit for bit, so corpora tokenized with
+the package stay valid.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from valle.codec.constants import FRAME_RATE, HOP_LENGTH, NUM_QUANTIZERS, SAMPLE_RATE
+from valle.codec.encodec_model import EncodecNet
 from valle.codec.weights import PretrainedWeights, TorchHubFile, WeightsError
 
 logger = logging.getLogger(__name__)
@@ -50,24 +52,12 @@ def resolve_encodec_weights(
     return WEIGHTS.resolve(checkpoint, allow_random, download)
 
 
-def _build_encodec(seed: int):
-    from encodec import EncodecModel
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # weight_norm deprecation inside encodec
-        # fork_rng: building with random init must not disturb the caller's RNG streams.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = EncodecModel._get_model(
-                [1.5, 3.0, 6.0, 12.0, 24.0],
-                SAMPLE_RATE,
-                1,
-                causal=True,
-                model_norm="weight_norm",
-                audio_normalize=False,
-                name="encodec_24khz",
-            )
-    return model
+def _build_encodec(seed: int) -> EncodecNet:
+    # fork_rng: building with random init must not disturb the caller's RNG streams; the
+    # init draws the RNG as the encodec package does, so a seed gives the package's model.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return EncodecNet(BANDWIDTH_KBPS)
 
 
 def _calibration_audio(seed: int, seconds: float = 6.0) -> torch.Tensor:
@@ -84,27 +74,27 @@ def _calibration_audio(seed: int, seconds: float = 6.0) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _randomize_codebooks(model, seed: int) -> None:
-    """encodec leaves untrained codebooks at zero (k-means init happens in training), which
-    maps every frame to code 0, and pure noise codebooks sit far from the encoder's outputs,
-    which maps every frame to one code. Seed each residual codebook with encoder outputs of a
-    seeded calibration signal (k-means-style init without iterations): deterministic, and the
-    codes follow the input."""
+def _randomize_codebooks(model: EncodecNet, seed: int) -> None:
+    """Untrained codebooks are zeros (k-means init happens in training), which maps every
+    frame to code 0, and pure noise codebooks sit far from the encoder's outputs, which maps
+    every frame to one code. Seed each residual codebook with encoder outputs of a seeded
+    calibration signal (k-means-style init without iterations): deterministic, and the codes
+    follow the input. (The same draws as before the codec was rewritten: same codes.)"""
     gen = torch.Generator().manual_seed(seed)
     emb = model.encoder(_calibration_audio(seed))  # (1, D, T)
     residual = emb[0].T.contiguous()  # (T, D)
-    for layer in model.quantizer.vq.layers[:NUM_QUANTIZERS]:
-        cb = layer._codebook
+    codebooks = model.quantizer.vq.codebooks(len(model.quantizer.vq.layers))
+    for cb in codebooks[:NUM_QUANTIZERS]:
         bins = cb.embed.shape[0]
         idx = torch.randint(0, residual.shape[0], (bins,), generator=gen)
         jitter = 1e-3 * residual.std() * torch.randn(cb.embed.shape, generator=gen)
         cb.embed.copy_(residual[idx] + jitter)
         cb.inited.fill_(1.0)
-        codes = layer.encode(residual.T.unsqueeze(0))  # (1, T)
-        residual = residual - layer.decode(codes)[0].T
-    for layer in model.quantizer.vq.layers[NUM_QUANTIZERS:]:
-        layer._codebook.embed.copy_(torch.randn(layer._codebook.embed.shape, generator=gen))
-        layer._codebook.inited.fill_(1.0)
+        codes = cb.encode(residual.T.unsqueeze(0))  # (1, T)
+        residual = residual - cb.decode(codes)[0].T
+    for cb in codebooks[NUM_QUANTIZERS:]:
+        cb.embed.copy_(torch.randn(cb.embed.shape, generator=gen))
+        cb.inited.fill_(1.0)
 
 
 class AudioTokenizer:
@@ -157,30 +147,27 @@ class AudioTokenizer:
             )
             logger.warning("Fine for tests and pipeline demos; useless for real training.")
             logger.warning("%s", "!" * 72)
-        model.set_target_bandwidth(BANDWIDTH_KBPS)
-        self.model = model.eval().to(self.device)
+        self.model = model.eval().fold_weight_norm().to(self.device)
 
     @torch.inference_mode()
     def encode(self, wav: torch.Tensor) -> torch.Tensor:
         """(B, 1, N) float at 24 kHz -> (B, 8, ceil(N / 320)) long codes."""
         if wav.dim() != 3 or wav.shape[1] != 1:
             raise ValueError(f"encode expects (B, 1, N) audio, got {tuple(wav.shape)}")
-        frames = self.model.encode(wav.to(self.device, torch.float32))
-        return torch.cat([codes for codes, _scale in frames], dim=-1).long()
+        return self.model.encode(wav.to(self.device, torch.float32)).long()
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """(B, 8, T) codes -> (B, 1, N) waveform at 24 kHz."""
         if codes.dim() != 3:
             raise ValueError(f"decode expects (B, Q, T) codes, got {tuple(codes.shape)}")
-        return self.model.decode([(codes.to(self.device).long(), None)])
+        return self.model.decode(codes.to(self.device).long())
 
     @torch.inference_mode()
     def code_vectors(self) -> list[torch.Tensor]:
         """Per codebook, each code's vector in EnCodec's latent, (1024, 128): the decoder sums
         them (``--nar-decoding mmse`` in bin/infer.py)."""
-        layers = self.model.quantizer.vq.layers[:NUM_QUANTIZERS]
-        return [layer.project_out(layer._codebook.embed).detach() for layer in layers]
+        return [cb.embed.detach().clone() for cb in self.model.codebooks()]
 
     def encode_batch(self, wavs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Mono 24 kHz 1-D waveforms -> list of (8, T_i) codes. EnCodec 24 kHz is causal, so

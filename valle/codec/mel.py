@@ -1,11 +1,15 @@
 """Log-mel frames at EnCodec's frame rate (24 kHz, hop 320 -> 75 frames/s), and their inverse.
 
 Shared by the mel-RVQ codec (what it quantises) and the phoneme judge (what it hears), so
-both see audio the same way. torchaudio is imported inside the functions.
+both see audio the same way. Plain torch: the filterbank (Slaney's mel scale, area-normalised
+triangles, librosa's and torchaudio's "slaney" definition) and Griffin-Lim are written here,
+equal to torchaudio's ``MelSpectrogram`` and ``griffinlim`` within float rounding
+(tests/codec/test_mel_rvq.py), so fitted mel-rvq codecs keep their codes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -33,17 +37,72 @@ def num_frames(num_samples: int, hop_length: int = HOP_LENGTH) -> int:
     return -(-int(num_samples) // hop_length)
 
 
+# Slaney's mel scale: linear below 1 kHz (3 mels per 200 Hz), logarithmic above.
+_F_SP = 200.0 / 3
+_MIN_LOG_HZ = 1000.0
+_MIN_LOG_MEL = _MIN_LOG_HZ / _F_SP
+_LOGSTEP = math.log(6.4) / 27.0
+
+
+def hz_to_mel(hz: float) -> float:
+    if hz < _MIN_LOG_HZ:
+        return hz / _F_SP
+    return _MIN_LOG_MEL + math.log(hz / _MIN_LOG_HZ) / _LOGSTEP
+
+
+def mel_to_hz(mels: torch.Tensor) -> torch.Tensor:
+    hz = _F_SP * mels
+    log = mels >= _MIN_LOG_MEL
+    hz[log] = _MIN_LOG_HZ * torch.exp(_LOGSTEP * (mels[log] - _MIN_LOG_MEL))
+    return hz
+
+
+def mel_filterbank(c: MelConfig) -> torch.Tensor:
+    """(n_fft / 2 + 1, n_mels) triangles between mel-spaced edges, each scaled to unit area
+    per Hz (Slaney normalisation)."""
+    freqs = torch.linspace(0, c.sample_rate // 2, c.n_fft // 2 + 1)
+    edges = mel_to_hz(torch.linspace(hz_to_mel(c.f_min), hz_to_mel(c.f_max), c.n_mels + 2))
+    widths = edges[1:] - edges[:-1]
+    slopes = edges.unsqueeze(0) - freqs.unsqueeze(1)  # (F, n_mels + 2)
+    rising = (-1.0 * slopes[:, :-2]) / widths[:-1]
+    falling = slopes[:, 2:] / widths[1:]
+    fb = torch.max(torch.zeros(1), torch.min(rising, falling))
+    return fb * (2.0 / (edges[2 : c.n_mels + 2] - edges[: c.n_mels])).unsqueeze(0)
+
+
+def _stft(x: torch.Tensor, c: MelConfig, window: torch.Tensor) -> torch.Tensor:
+    return torch.stft(x, c.n_fft, c.hop_length, c.n_fft, window, center=True, pad_mode="reflect",
+                      normalized=False, onesided=True, return_complex=True)
+
+
+def griffin_lim(mag: torch.Tensor, c: MelConfig, window: torch.Tensor, n_iter: int, length: int,
+                momentum: float = 0.99) -> torch.Tensor:
+    """(B, F, T) linear magnitudes -> (B, length) waveform: fast Griffin-Lim (Perraudin et al.,
+    2013), phases starting at zero so that the same magnitudes always give the same audio."""
+    alpha = momentum / (1 + momentum)
+    angles = torch.ones_like(mag, dtype=torch.complex64 if mag.dtype == torch.float32 else torch.complex128)
+    previous = torch.tensor(0.0, dtype=mag.dtype)
+    for _ in range(n_iter):
+        inverse = torch.istft(mag * angles, c.n_fft, c.hop_length, c.n_fft, window, length=length)
+        rebuilt = _stft(inverse, c, window)
+        angles = rebuilt - previous * alpha
+        angles = angles / (angles.abs() + 1e-16)
+        previous = rebuilt
+    return torch.istft(mag * angles, c.n_fft, c.hop_length, c.n_fft, window, length=length)
+
+
 class MelFrontend:
     """(B, N) or (N,) waveform -> (B, T, n_mels) natural-log mel magnitudes, T = ceil(N / hop)."""
 
     def __init__(self, config: MelConfig | None = None) -> None:
-        import torchaudio
-
         self.config = c = config or MelConfig()
-        self.mel = torchaudio.transforms.MelSpectrogram(
-            sample_rate=c.sample_rate, n_fft=c.n_fft, hop_length=c.hop_length, n_mels=c.n_mels,
-            f_min=c.f_min, f_max=c.f_max, power=1.0, center=True, norm="slaney", mel_scale="slaney",
-        )
+        self.window = torch.hann_window(c.n_fft)
+        self.fb = mel_filterbank(c)
+
+    def mel(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, N) -> (B, n_mels, N // hop + 1) mel magnitudes (a centred STFT's frames)."""
+        spec = _stft(x, self.config, self.window).abs()
+        return torch.matmul(spec.transpose(-1, -2), self.fb).transpose(-1, -2)
 
     @torch.no_grad()
     def __call__(self, wav: torch.Tensor) -> torch.Tensor:
@@ -59,7 +118,7 @@ class MelFrontend:
 
     def filterbank(self) -> torch.Tensor:
         """(n_freq, n_mels) triangular filters of the forward transform."""
-        return self.mel.mel_scale.fb
+        return self.fb
 
 
 class MelInverter:
@@ -68,14 +127,11 @@ class MelInverter:
     a little rough (fine for eSpeak-like corpora and for measuring intelligibility)."""
 
     def __init__(self, config: MelConfig | None = None, n_iter: int = 32) -> None:
-        import torchaudio
-
         self.config = c = config or MelConfig()
         fb = MelFrontend(c).filterbank()  # (F, M)
         self.inverse = torch.linalg.pinv(fb)  # (M, F): least-squares linear magnitude
         self.n_iter = n_iter
         self.window = torch.hann_window(c.n_fft)
-        self._griffinlim = torchaudio.functional.griffinlim
 
     @torch.no_grad()
     def __call__(self, log_mel: torch.Tensor) -> torch.Tensor:
@@ -91,7 +147,5 @@ class MelInverter:
         mag = torch.nn.functional.pad(mag, (0, t_pad - t))
         # A centred STFT of t * hop samples has t + 1 frames: repeat the last one.
         mag = torch.cat([mag, mag[..., -1:]], dim=-1)
-        # rand_init=False: the same codes always give the same wav (determinism).
-        wav = self._griffinlim(mag, self.window, c.n_fft, c.hop_length, c.n_fft, 1.0, self.n_iter,
-                               0.99, t_pad * c.hop_length, False)[..., : t * c.hop_length]
+        wav = griffin_lim(mag, c, self.window, self.n_iter, t_pad * c.hop_length)[..., : t * c.hop_length]
         return wav[0] if squeeze else wav

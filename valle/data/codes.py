@@ -85,11 +85,12 @@ class EncodecCodes(FeatureExtractor):
         return fit_frames(codes, n)
 
 
-def store_codes(cut, codes: torch.Tensor, storage, codec=None):
+def store_codes(cut, codes: torch.Tensor, storage, codec=None, storage_path=None):
     """Write one cut's (Q, T) codes through a lhotse writer (int16, exact) and return the cut
     with a ``Features`` manifest: ``codec``'s rate and hop (EnCodec's by default), frames
     fitted to lhotse's count for the cut's duration. Any codec with the ``AudioTokenizer``
-    attributes plugs in here."""
+    attributes plugs in here. ``storage_path``: where readers will find the file, when the
+    writer writes it under a temporary name (default: the writer's own path)."""
     from lhotse.features.base import Features
     from lhotse.utils import compute_num_frames, fastcopy
 
@@ -103,7 +104,8 @@ def store_codes(cut, codes: torch.Tensor, storage, codec=None):
     feats = Features(
         recording_id=cut.recording_id, channels=cut.channel, start=cut.start, duration=cut.duration,
         type=name, num_frames=n, num_features=arr.shape[1], frame_shift=frame_shift,
-        sampling_rate=rate, storage_type=storage.name, storage_path=str(storage.storage_path),
+        sampling_rate=rate, storage_type=storage.name,
+        storage_path=str(storage.storage_path if storage_path is None else storage_path),
         storage_key=key,
     )
     return fastcopy(cut, features=feats)

@@ -20,7 +20,12 @@ class MissingTokensError(KeyError):
 
 def get_text_token_collater(text_tokens_file: str | os.PathLike, add_bos: bool = True,
                             add_eos: bool = True) -> TextTokenCollater:
-    return TextTokenCollater(SymbolTable.from_file(text_tokens_file), add_bos=add_bos, add_eos=add_eos)
+    """The table's collater. A table without ``<bos>``/``<eos>`` (VALL-E X's, whose text has
+    none: valle/data/vallex_text.py) gets none added."""
+    from valle.data.symbols import BOS, EOS
+
+    table = SymbolTable.from_file(text_tokens_file)
+    return TextTokenCollater(table, add_bos=add_bos and BOS in table, add_eos=add_eos and EOS in table)
 
 
 def cut_text_symbols(cut) -> list[str]:

@@ -367,6 +367,9 @@ def load_for_vad(audio: Path) -> tuple[object, np.ndarray]:
     tokenized (a stereo file's cuts span both channels, and bin/tokenizer.py averages them)."""
     from lhotse import Recording
 
+    from valle.codec.audio import use_torch_resampling_in_lhotse
+
+    use_torch_resampling_in_lhotse()  # the same cut boundaries with or without torchaudio
     recording = Recording.from_file(audio)
     samples = np.asarray(recording.resample(VAD_RATE).load_audio(), dtype=np.float32)
     return recording, samples.mean(axis=0)

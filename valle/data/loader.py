@@ -59,11 +59,19 @@ class ResumableLoader:
         raise NotImplementedError
 
     def _dataloader(self, data, **kwargs):
+        """Its workers are forked when it is iterated (every epoch): they must not inherit the
+        HDF5 code files this process read (prompts, samples, the batch scan; lhotse keeps them
+        open, with their locks), and die with this process (``valle.data.workers``)."""
         import torch
 
+        from valle.data.workers import forget_cached_files, worker_init_fn
+
+        if self.num_workers:
+            forget_cached_files()
         return torch.utils.data.DataLoader(
             data, batch_size=None, num_workers=self.num_workers, persistent_workers=False,
             multiprocessing_context=worker_context() if self.num_workers else None,
+            worker_init_fn=worker_init_fn() if self.num_workers else None,
             pin_memory=self.pin_memory, **kwargs)
 
     def set_epoch(self, epoch: int) -> None:

@@ -7,7 +7,10 @@ Per part, the cuts (one per supervision) are processed in chunks of ``chunk_size
    of about ``batch_duration`` seconds encoded on ``device``, codes written through a lhotse
    writer (``NumpyHdf5Writer``, one HDF5 file per chunk: exact int16, no file per cut);
 3. the chunk's cuts, report lines and statistics are written atomically; a restart skips
-   finished chunks, so a crash loses at most one chunk.
+   finished chunks, so a crash loses at most one chunk. Every file of a chunk appears only
+   complete (``publish``: written under a ``.tmp.`` name, fsynced, renamed), its meta last,
+   and no process of a killed worker holds one (``valle.data.workers``): a relaunch may
+   come at once.
 
 When every chunk is done the chunk files are joined into ``{prefix}_cuts_{part}.{suffix}``,
 the bad-item report, statistics and extremes record (``valle.data.extremes``: what the
@@ -33,6 +36,7 @@ from valle.data import validation as V
 from valle.data.extremes import Extremes, extremes_path
 from valle.data.progress import Progress
 from valle.data.sharding import Shard
+from valle.data.workers import forget_cached_files, worker_init_fn
 
 logger = logging.getLogger("tokenizer")
 
@@ -174,7 +178,47 @@ def merge_text_stats(path: Path, part: str, stats: Stats) -> None:
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
+    publish(tmp, path)
+
+
+def partial_path(path: Path) -> Path:
+    """Where ``path`` is written until it is complete (a name no reader looks for; the
+    suffix is kept, lhotse's HDF5 writer would add its own)."""
+    return path.with_name(".tmp." + path.name)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """Make the complete file ``tmp`` appear as ``path``, atomically and durably: its data
+    on disk first, then the rename, then the rename itself on disk. A reader (or a resume
+    after a kill, or after a power cut) sees the whole file or none."""
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Every file under ``directory`` and the directories themselves on disk."""
+    for p in sorted(directory.rglob("*"), reverse=True):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        else:
+            _fsync_dir(p)
+    _fsync_dir(directory)
 
 
 def chunk_extremes(meta: dict, chunk_cuts: Path) -> Extremes:
@@ -199,6 +243,9 @@ class AudioLoadDataset(torch.utils.data.Dataset):
         return len(self.cuts)
 
     def __getitem__(self, i: int):
+        from valle.codec.audio import use_torch_resampling_in_lhotse
+
+        use_torch_resampling_in_lhotse()  # the same audio with or without torchaudio
         cut = self.cuts[i]
         try:
             samples = cut.load_audio()
@@ -304,6 +351,10 @@ class PartTokenizer:
     # --- audio -----------------------------------------------------------------
     def encode_chunk(self, cuts: list, storage_path: Path, report: V.ValidationReport,
                      progress: Progress) -> list:
+        """Encode the chunk's audio into ``storage_path`` (an HDF5 file), which appears only
+        complete: it is written under a temporary name and renamed (``publish``). The audio
+        workers are forked before that file is opened, and die with this process: a killed
+        worker leaves no process holding the file or its lock (valle.data.workers)."""
         from lhotse import NumpyHdf5Writer
 
         from valle.data.codes import store_codes
@@ -312,19 +363,32 @@ class PartTokenizer:
             AudioLoadDataset(cuts), batch_sampler=duration_batches(cuts, self.opts.batch_duration),
             num_workers=self.opts.num_workers, collate_fn=_first,
             prefetch_factor=4 if self.opts.num_workers > 0 else None,
+            worker_init_fn=worker_init_fn() if self.opts.num_workers > 0 else None,
         )
         done: dict[int, object] = {}
         storage_path.parent.mkdir(parents=True, exist_ok=True)
-        with NumpyHdf5Writer(storage_path, mode="w") as writer:
-            for batch in loader:
-                ok = [(i, wav) for i, wav, _r, _d in batch if wav is not None]
-                for i, wav, reason, detail in batch:
-                    if wav is None:
-                        report.add(cuts[i].id, reason, detail)
-                codes = self.codec.encode_batch([wav for _i, wav in ok])
-                for (i, _wav), c in zip(ok, codes):
-                    done[i] = store_codes(cuts[i], c, writer, self.codec)
-                progress.update(len(batch), sum(cuts[i].duration for i, _w in ok))
+        batches = iter(loader)  # forks the workers now, while no file of the chunk is open
+        tmp = partial_path(storage_path)
+        # A killed run's partial file: unlinked, not truncated, so that a process of that run
+        # still holding it (and HDF5's lock on it) has no say over the new one.
+        tmp.unlink(missing_ok=True)
+        try:
+            with NumpyHdf5Writer(tmp, mode="w") as writer:
+                for batch in batches:
+                    ok = [(i, wav) for i, wav, _r, _d in batch if wav is not None]
+                    for i, wav, reason, detail in batch:
+                        if wav is None:
+                            report.add(cuts[i].id, reason, detail)
+                    codes = self.codec.encode_batch([wav for _i, wav in ok])
+                    for (i, _wav), c in zip(ok, codes):
+                        done[i] = store_codes(cuts[i], c, writer, self.codec, storage_path=storage_path)
+                    progress.update(len(batch), sum(cuts[i].duration for i, _w in ok))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            del batches  # shuts the workers down
+        publish(tmp, storage_path)
         return [done[i] for i in sorted(done)]  # manifest order
 
     # --- a chunk, a part ----------------------------------------------------------
@@ -349,9 +413,9 @@ class PartTokenizer:
             phones = sum(1 for s in custom["tokens"]["text"] if V.is_phone(s))
             stats.add_cut(c.duration, phones, custom["num_text_tokens"], custom["espeak_voice"])
         chunk_cuts = paths["chunks"] / f"{index:06d}.{self.opts.suffix}"
-        tmp = chunk_cuts.with_name(".tmp." + chunk_cuts.name)
+        tmp = partial_path(chunk_cuts)
         CutSet.from_cuts(encoded).to_file(tmp)
-        os.replace(tmp, chunk_cuts)
+        publish(tmp, chunk_cuts)
         meta = {"checked": report.checked, "bad": [[e.cut_id, e.reason, e.detail] for e in report.entries],
                 "symbols": sorted(seen), "stats": stats.to_json(),
                 "extremes": Extremes.of(encoded).to_json()}
@@ -461,12 +525,16 @@ class PartTokenizer:
             join_shar_chunks(shar_staging(paths["shar"]), paths["shar"], shar_shards)
             # beside the part's shards, for the same reason as the staging dir
             extremes.write(extremes_path(self.opts.shar_dir, self.opts.prefix, part))
-        tmp = paths["cuts"].with_name(".tmp." + paths["cuts"].name)
+        tmp = partial_path(paths["cuts"])
         with CutSet.open_writer(tmp) as writer:
             for i in range(n_chunks):
                 for cut in CutSet.from_jsonl_lazy(paths["chunks"] / f"{i:06d}.{self.opts.suffix}"):
                     writer.write(cut)
-        os.replace(tmp, paths["cuts"])
+        publish(tmp, paths["cuts"])
+        # Partial chunk files of killed runs whose chunks were then redone by a worker of
+        # another --num-shards (which cleans its own chunk numbers only) or discarded.
+        for leftover in paths["storage"].glob(partial_path(Path("chunk-*.h5")).name):
+            leftover.unlink(missing_ok=True)
         # After the cuts file: the trainer takes a record older than its cuts for a stale one.
         extremes.write(paths["extremes"])
         shutil.rmtree(paths["chunks"], ignore_errors=True)
@@ -487,7 +555,10 @@ class PartTokenizer:
         tmp.mkdir(parents=True)
         written = CutSet.from_cuts(cuts).to_shar(tmp, fields={"features": "numpy"},
                                                  shard_size=self.opts.shar_shard_size, warn_unused_fields=False)
+        forget_cached_files()  # the chunk's HDF5 file, read for the shards: not for the next workers
+        _fsync_tree(tmp)  # on disk before the chunk's meta says it is done
         os.replace(tmp, final)
+        _fsync_dir(staging)
         return len(written["cuts"])
 
 
@@ -544,6 +615,7 @@ def export_shar(cuts_path: Path, shar_dir: Path, shard_size: int) -> list[str]:
     t0 = time.time()
     written = CutSet.from_jsonl_lazy(cuts_path).to_shar(
         shar_dir, fields={"features": "numpy"}, shard_size=shard_size, warn_unused_fields=False)
+    forget_cached_files()  # lhotse keeps every HDF5 file it read open: one per chunk of the part
     n = len(written["cuts"])
     logger.info("Shar: %s -> %s, %d shard(s), %.1fs", cuts_path.name, shar_dir, n, time.time() - t0)
     return [str(p) for paths in written.values() for p in paths]

@@ -101,7 +101,7 @@ def normalize_text(text: str) -> str:
     return _SPACE_RE.sub(" ", text).strip()
 
 
-TEXT_EXTRACTORS = ("espeak", "pypinyin")
+TEXT_EXTRACTORS = ("espeak", "pypinyin", "vallex-bpe")
 
 
 def _is_hanzi(ch: str) -> bool:
@@ -166,6 +166,14 @@ class TextTokenizer:
     def phonemize_one(self, text: str, language: str | None = None) -> Phonemized:
         if self.backend_name == "pypinyin":
             return pinyin_symbols(text)
+        if self.backend_name == "vallex-bpe":  # Plachtaa/VALL-E-X's (valle/data/vallex_text.py)
+            from valle.data.vallex_text import FrontendError
+            from valle.data.vallex_text import symbols as vallex_symbols
+
+            try:
+                return Phonemized(vallex_symbols(text, language or self.language))
+            except FrontendError as e:
+                raise TextTokenizationError(str(e)) from e
         from phonemizer.separator import Separator
 
         language = language or self.language
@@ -225,8 +233,8 @@ class TextTokenCollater:
         self.add_bos = add_bos
         self.add_eos = add_eos
         self.pad_id = symbol_table.pad_id
-        self.bos_id = symbol_table.bos_id
-        self.eos_id = symbol_table.eos_id
+        self.bos_id = symbol_table.bos_id if add_bos else None
+        self.eos_id = symbol_table.eos_id if add_eos else None
 
     def encode(self, symbols: Sequence[str], cut_id: str | None = None) -> list[int]:
         ids = [self.bos_id] if self.add_bos else []

@@ -67,10 +67,9 @@ class WhisperAsr:
                 raise AsrUnavailable(f"--whisper-model {model}: faster-whisper cannot load it offline ({e})") from e
 
     def transcribe(self, wav: torch.Tensor, sr: int) -> str:
-        import torchaudio.functional as AF
+        from valle.codec.audio import resample
 
-        x = torch.as_tensor(wav, dtype=torch.float32).reshape(-1)
-        x = x if sr == self.sample_rate else AF.resample(x, sr, self.sample_rate)
+        x = resample(torch.as_tensor(wav, dtype=torch.float32).reshape(-1), sr, self.sample_rate)
         if self.backend == "openai-whisper":
             return self._model.transcribe(x.numpy(), language="en", fp16=False)["text"].strip()
         segments, _info = self._model.transcribe(x.numpy(), language="en")

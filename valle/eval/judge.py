@@ -237,12 +237,13 @@ def load_cut_examples(cuts_path: str | os.PathLike, limit: int | None = None):
     """(24 kHz waveform, phoneme symbols, cut) for each tokenized cut of a manifest."""
     from lhotse import CutSet
 
-    from valle.codec.audio import to_mono_24k
+    from valle.codec.audio import to_mono_24k, use_torch_resampling_in_lhotse
     from valle.data.collation import cut_text_symbols
 
     path = Path(cuts_path)
     if not path.is_file():
         raise FileNotFoundError(f"cut manifest {path}: no such file")
+    use_torch_resampling_in_lhotse()
     out = []
     for cut in CutSet.from_file(path):
         try:

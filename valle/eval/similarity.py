@@ -22,10 +22,9 @@ class SpeakerModelUnavailable(RuntimeError):
 
 
 def _resample(wav: torch.Tensor, sr: int, target: int) -> torch.Tensor:
-    import torchaudio.functional as AF
+    from valle.codec.audio import resample
 
-    x = torch.as_tensor(wav, dtype=torch.float32).reshape(-1)
-    return x if sr == target else AF.resample(x, sr, target)
+    return resample(torch.as_tensor(wav, dtype=torch.float32).reshape(-1), sr, target)
 
 
 def _cosine(a: np.ndarray | None, b: np.ndarray | None) -> float:

@@ -18,6 +18,13 @@ params at the top level) are converted:
   AR head untied and the NAR heads tied lifeiteng's way (stage j -> codebook j+1's table)
   when the checkpoint's tensors are in fact tied, untied otherwise.
 
+Plachtaa/VALL-E-X's public ``vallex-checkpoint.pt`` is lifeiteng's VALL-E plus
+``{ar,nar}_language_embedding`` tables, saved as ``{"model": state_dict}`` alone: it is
+recognised by those keys, its hyper-parameters are its ``macros.py`` (``VALLEX_MACROS``)
+where the shapes do not tell, and its language table (``VALLEX_LANGUAGES``: the model's own
+ids, en 0, zh 1, ja 2; not ``macros.lang2code``, which numbers prompt files) and text
+frontend (``vallex-bpe``) are recorded in the returned hyper-parameters.
+
 Imports torch only.
 """
 
@@ -44,12 +51,46 @@ LIFEITENG_HPARAM_KEYS = (
 REQUIRED_CONFIG_KEYS = ("decoder_dim", "nhead", "num_decoder_layers")
 
 
+# Plachtaa/VALL-E-X's macros.py (and VALLE's defaults there): what its checkpoint leaves out.
+VALLEX_MACROS: dict[str, Any] = dict(
+    model_name="VALL-E", nhead=16, prefix_mode=1, norm_first=True, add_prenet=False,
+)  # fmt: skip
+# VALLE.language_ID of Plachtaa/VALL-E-X: row i of the language embeddings.
+VALLEX_LANGUAGES = ("en", "zh", "ja")
+VALLEX_FRONTEND = "vallex-bpe"
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file and the reason."""
 
 
+HUB_PREFIX = "hf:"
+
+
+def resolve_checkpoint(name: str | Path) -> Path:
+    """A local path, or ``hf:OWNER/REPO/FILE`` (e.g. ``hf:Plachta/VALL-E-X/vallex-checkpoint.pt``):
+    that file of a Hugging Face hub repository, from the hub's cache (``HF_HUB_CACHE``), else
+    downloaded into it (checked against the hub's sha256) where the network is there."""
+    text = str(name)
+    if not text.startswith(HUB_PREFIX):
+        return Path(name)
+    parts = text[len(HUB_PREFIX) :].split("/", 2)
+    if len(parts) < 3 or not all(parts):
+        raise CheckpointError(f"checkpoint {text}: a hub checkpoint is named hf:OWNER/REPO/FILE")
+    from valle.codec.weights import HubRepoFile, one_line
+
+    hub = HubRepoFile(f"{parts[0]}/{parts[1]}", parts[2])
+    cached = hub.cached()
+    if cached is not None:
+        return cached
+    try:
+        return hub.download()
+    except Exception as e:  # offline, no such repository or file, huggingface_hub missing
+        raise CheckpointError(f"checkpoint {text}: {hub.missing()} ({one_line(e)})") from e
+
+
 def load_payload(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
+    path = resolve_checkpoint(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path}: no such file")
     try:
@@ -68,6 +109,11 @@ def load_payload(path: str | Path) -> dict[str, Any]:
 
 def is_lifeiteng_state(state: Mapping[str, Any]) -> bool:
     return any(k.endswith("word_embeddings.weight") or ".in_proj_weight" in k for k in state)
+
+
+def is_vallex_state(state: Mapping[str, Any]) -> bool:
+    """Plachtaa/VALL-E-X's layout: lifeiteng's keys plus its language embeddings."""
+    return "ar_language_embedding.word_embeddings.weight" in state
 
 
 def load_model_checkpoint(
@@ -129,8 +175,8 @@ _RENAMES = [
     (re.compile(r"^(ar|nar)_decoder\.norm\."), r"\1_decoder.final_norm."),
     (re.compile(r"\.project_layer\."), ".proj."),
     (re.compile(r"\.multihead_attn\."), ".cross_attn."),
-    (re.compile(r"^(ar_text_embedding|nar_text_embedding|ar_audio_embedding)\.word_embeddings\."),
-     r"\1."),
+    (re.compile(r"^(ar_text_embedding|nar_text_embedding|ar_audio_embedding|ar_language_embedding"
+                r"|nar_language_embedding)\.word_embeddings\."), r"\1."),
 ]  # fmt: skip
 
 
@@ -193,7 +239,47 @@ def _split_in_proj(key: str, v: torch.Tensor, cross: bool) -> dict[str, torch.Te
     return {f"{base}.q_bias": q_bias, f"{base}.v_bias": v_bias}
 
 
+def vallex_params(state: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> dict[str, Any]:
+    """lifeiteng's hyper-parameters of a Plachtaa/VALL-E-X state dict: read from its shapes
+    where they tell (width, layers, NAR scale, codebooks, BOS row, languages), its macros
+    otherwise; a value the file does carry at the top level wins."""
+    d = int(state["ar_text_embedding.word_embeddings.weight"].shape[1])
+    layers = {int(m.group(1)) for k in state if (m := re.match(r"^ar_decoder\.layers\.(\d+)\.", k))}
+    nar_d = d
+    if "nar_text_embedding.word_embeddings.weight" in state:
+        nar_d = int(state["nar_text_embedding.word_embeddings.weight"].shape[1])
+    q = 1 + len({k.split(".")[1] for k in state if k.startswith("nar_predict_layers.")})
+    out = dict(VALLEX_MACROS)
+    out.update(
+        decoder_dim=d, num_decoder_layers=len(layers), scale_factor=nar_d / d, num_quantizers=q,
+        # 1024 codes + EOS (+ BOS): the audio table's rows say whether BOS is prepended
+        prepend_bos=int(state["ar_audio_embedding.word_embeddings.weight"].shape[0])
+        > NUM_AUDIO_TOKENS + 1,
+        # lifeiteng's share_embedding; _lifeiteng_hparams checks the tensors are in fact tied
+        share_embedding=True,
+        add_prenet=any(k.startswith("ar_text_prenet.") for k in state),
+    )  # fmt: skip
+    out.update({k: params[k] for k in LIFEITENG_HPARAM_KEYS if k in params})
+    return out
+
+
+def vallex_languages(state: Mapping[str, torch.Tensor], params: Mapping[str, Any]) -> list[str]:
+    """The language of each row of a VALL-E X checkpoint's language table: its own
+    (``languages`` at the top level, written when a language was added) or Plachtaa's."""
+    rows = int(state["ar_language_embedding.word_embeddings.weight"].shape[0])
+    languages = list(params.get("languages") or VALLEX_LANGUAGES)
+    if len(languages) < rows:
+        raise CheckpointError(
+            f"a VALL-E X checkpoint with {rows} language rows names only {languages}: record "
+            "its languages (a 'languages' list at the top level, in row order)"
+        )
+    return languages[:rows]
+
+
 def _lifeiteng_hparams(state, params: Mapping[str, Any], name: str) -> dict[str, Any]:
+    vallex = is_vallex_state(state)
+    if vallex:
+        params = {**params, **vallex_params(state, params)}
     missing = [k for k in LIFEITENG_HPARAM_KEYS if k not in params]
     if missing:
         raise CheckpointError(
@@ -224,9 +310,19 @@ def _lifeiteng_hparams(state, params: Mapping[str, Any], name: str) -> dict[str,
         hp["share_embedding"] = tied
     if "text_tokens" in params:
         hp["text_tokens"] = str(params["text_tokens"])
+    if vallex:
+        try:
+            hp["languages"] = vallex_languages(state, params)
+        except CheckpointError as e:
+            raise CheckpointError(f"{name}: {e}") from e
+        hp["num_languages"] = len(hp["languages"])
     out = model_hparams(hp)
     if "text_tokens" in hp:
         out["text_tokens"] = hp["text_tokens"]
     out["source_format"] = "lifeiteng"
+    if vallex:
+        # Users name languages (this table), never ids; the text frontend is Plachtaa's.
+        out.update(source_format="vallex", languages=hp["languages"],
+                   text_frontend=str(params.get("text_frontend", VALLEX_FRONTEND)))
     return out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import IntEnum
 from typing import Any
 
@@ -39,6 +39,7 @@ from valle.train.resilience.memory import OomReporter
 from valle.train.resilience.quarantine import Quarantine
 from valle.train.resilience.step import ResilientStep, StepConfig
 from valle.train.schedulers import build_scheduler
+from valle.train.storage import Storage
 from valle.train.watchdog import StallWatchdog
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class Run:
     memory_model: Any = None  # valle.train.autobatch.MemoryModel when --max-duration auto chose
     samples: Any = None  # valle.train.samples.SampleWriter, made by its first pass (rank 0)
     lora: LoraRun | None = None  # --lora-rank: the adapters trained on a frozen base
+    storage: Storage = field(default_factory=Storage)  # every write: valle/train/storage.py
 
 
 def control_channel(ctx: DistContext) -> ControlChannel:
@@ -142,18 +144,25 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     # LoRA resumes load the frozen base again: the checkpoints hold the adapters alone.
     base_table = None
     if cfg.start_from and (payload is None or cfg.lora.enabled):
-        from valle.models.convert import from_payload, load_payload
+        from valle.models.convert import from_payload, load_payload, resolve_checkpoint
 
         # the architecture of the weights we start from, whatever the flags say
-        base_payload = load_payload(cfg.start_from)
+        base_path = str(resolve_checkpoint(cfg.start_from))  # hf:OWNER/REPO/FILE: the hub's cache
+        base_payload = load_payload(base_path)
         initial_weights, hparams = from_payload(base_payload, cfg.start_from)
         architecture = {"config": hparams, "model": {}}
         base_table = (base_payload.get("config") or {}).get("text_tokens") or hparams.get("text_tokens")
         del base_payload
+    # A VALL-E X base's text frontend and language table go with every checkpoint of the run.
+    frontend = frontend_record(architecture.get("config") if architecture else None)
     model = get_model(architecture_hparams(cfg, architecture)).to(ctx.device)
+    if model.num_languages != cfg.model.num_languages:  # the data must give the model's languages
+        cfg.model = replace(cfg.model, num_languages=model.num_languages)
+    if frontend.get("languages") and not cfg.data.languages:
+        cfg.data.languages = corpus_voices(frontend["languages"])
     lora = None
     if cfg.lora.enabled:
-        lora = attach_lora(cfg.lora, cfg.start_from, model, initial_weights)
+        lora = attach_lora(cfg.lora, base_path, model, initial_weights)
         initial_weights = None
     if payload is not None:
         check_lora_resume(lora, payload, f"the checkpoint resumed from in {cfg.exp_dir}")
@@ -174,7 +183,8 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
         averager = ModelAverager(named, cfg.average_period)
     sync = build_grad_sync(cfg.grad_sync, model, [p for _, p in named], world_size=ctx.world_size,
                            device=ctx.device, group=ctx.group, bucket_cap_mb=cfg.bucket_cap_mb)
-    quarantine = Quarantine(cfg.exp_dir / "quarantine.jsonl")
+    storage = Storage(cfg.exp_dir, cfg.max_failed_saves, faults)
+    quarantine = Quarantine(cfg.exp_dir / "quarantine.jsonl", storage)
     autobatch.check_auto_flags(cfg, ctx.device)
     if cfg.activation_checkpointing:
         from valle.models.transformer import set_activation_checkpointing
@@ -190,20 +200,25 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
                    update_retries=cfg.update_retries, max_quarantined=cfg.max_quarantined_cuts,
                    max_fitted_before=cfg.max_fitted_before_quarantines),
         scaler=scaler, averager=averager, faults=faults,
-        reporter=OomReporter(cfg.exp_dir, ctx.rank, cfg.save_oom_batches, cfg.oom_snapshot),
+        reporter=OomReporter(cfg.exp_dir, ctx.rank, cfg.save_oom_batches, cfg.oom_snapshot,
+                             storage=storage),
         quarantine=quarantine, channel=ctx.channel,
     )
     # --max-duration auto: a provisional budget until the run can measure (below).
     pending = autobatch.provisional_budget(cfg, (payload or {}).get("config"))
     # The model's head (a resumed checkpoint's, whatever the flag) must fit the corpus's codebook 0.
     data = build_train_data(cfg, ctx, ar_codebook_size=model.ar_codebook_size)
+    if frontend:
+        check_corpus_languages(frontend.get("languages"), cfg.data.languages, cfg.start_from)
+        cfg.corpus_record.update(frontend)
     if lora is not None:
         check_text_tokens(base_table, cfg.data.text_tokens and str(cfg.data.text_tokens), cfg.start_from)
     run = Run(cfg, ctx, model, optimizer, scheduler, scaler, averager, stepper, data, quarantine,
-              TensorBoardLogger(cfg.exp_dir / "tensorboard" / f"stage{cfg.train_stage}", enabled=cfg.tensorboard and ctx.is_main),
+              TensorBoardLogger(cfg.exp_dir / "tensorboard" / f"stage{cfg.train_stage}",
+                                enabled=cfg.tensorboard and ctx.is_main, storage=storage),
               StallWatchdog(cfg.stall_factor, cfg.stall_min_seconds,
                             cfg.exp_dir / "log" / f"stall-rank{ctx.rank}.txt", ctx.rank))
-    run.lora = lora
+    run.lora, run.storage = lora, storage
     if payload is not None:
         # A new stage has a new memory profile: only a same-stage resume skips the scan.
         run.resumed = not restore(run, payload)
@@ -238,6 +253,37 @@ def attach_meter(run: Run) -> None:
         meter.start()
     run.meter = run.stepper.meter = meter
     run.stepper.reporter.meter = meter
+
+
+def frontend_record(config: dict | None) -> dict[str, Any]:
+    """The text frontend and language table a checkpoint's config names (a VALL-E X model
+    converted from Plachtaa/VALL-E-X, or a run started from one); empty for the others."""
+    if not config or not config.get("text_frontend"):
+        return {}
+    return {k: config[k] for k in ("text_frontend", "languages") if config.get(k) is not None}
+
+
+def corpus_voices(model_languages: list[str]) -> str:
+    """The espeak voices bin/tokenizer.py records for a VALL-E X model's languages, in its row
+    order: the corpus's language ids then are the model's."""
+    from valle.data.vallex_text import VOICES
+
+    return ",".join(VOICES.get(lang, lang) for lang in model_languages)
+
+
+def check_corpus_languages(model_languages, corpus_languages, start_from) -> None:
+    """The corpus's language ids must be the base's: its languages in the base's row order."""
+    if not model_languages or corpus_languages is None:
+        return
+    from valle.data.languages import split_languages
+    from valle.data.vallex_text import language_code
+
+    corpus = split_languages(corpus_languages)
+    if [language_code(x) for x in corpus] != list(model_languages)[: len(corpus)]:
+        raise StartupError(
+            f"--start-from {start_from}: its language table is {list(model_languages)} (ids in "
+            f"that order) but the corpus's languages are {corpus}: tokenize the corpus with the "
+            "same language names (en, zh, ja for VALL-E X)")
 
 
 def architecture_hparams(cfg: TrainConfig, payload: dict | None) -> dict[str, Any]:

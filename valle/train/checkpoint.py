@@ -26,11 +26,13 @@ __all__ = [
     "CorruptCheckpointError",
     "make_payload",
     "save_checkpoint",
+    "atomic_save",
     "load_checkpoint",
     "find_latest_checkpoint",
     "list_checkpoints",
     "remove_old_checkpoints",
     "save_best",
+    "best_path",
     "capture_rng_state",
     "restore_rng_state",
     "apply_stage_switch",
@@ -137,6 +139,13 @@ def save_checkpoint(path: str | os.PathLike, payload: Mapping[str, Any]) -> Path
     reason = _check_payload(payload)
     if reason is not None:
         raise ValueError(f"save_checkpoint({path}): {reason}")
+    return atomic_save(path, payload)
+
+
+def atomic_save(path: str | os.PathLike, obj: Any) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically (temp file, fsync, os.replace); a failed
+    write raises the file system's OSError (ENOSPC, EIO, EFBIG) and leaves nothing."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Hidden and without the .pt suffix, so the scanners never pick it up.
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -145,7 +154,7 @@ def save_checkpoint(path: str | os.PathLike, payload: Mapping[str, Any]) -> Path
         with os.fdopen(fd, "wb") as f:
             writer = _WriteErrors(f)
             try:
-                torch.save(payload, writer)
+                torch.save(obj, writer)
             except RuntimeError:
                 # torch's zip writer turns a failed write (ENOSPC, EIO, EFBIG) into
                 # "unexpected pos ...": raise what the file system said instead.
@@ -285,11 +294,16 @@ def remove_old_checkpoints(exp_dir: str | os.PathLike, keep_last_k: int) -> list
     return removed
 
 
-def save_best(exp_dir: str | os.PathLike, kind: str, payload: Mapping[str, Any]) -> Path:
-    """Write ``best-train-loss.pt`` or ``best-valid-loss.pt`` atomically."""
+def best_path(exp_dir: str | os.PathLike, kind: str) -> Path:
+    """``best-train-loss.pt`` or ``best-valid-loss.pt`` in ``exp_dir``."""
     if kind not in ("train", "valid"):
         raise ValueError(f"save_best: kind must be 'train' or 'valid', not {kind!r}")
-    return save_checkpoint(Path(exp_dir) / f"best-{kind}-loss.pt", payload)
+    return Path(exp_dir) / f"best-{kind}-loss.pt"
+
+
+def save_best(exp_dir: str | os.PathLike, kind: str, payload: Mapping[str, Any]) -> Path:
+    """Write ``best-train-loss.pt`` or ``best-valid-loss.pt`` atomically."""
+    return save_checkpoint(best_path(exp_dir, kind), payload)
 
 
 # --------------------------------------------------------------------------

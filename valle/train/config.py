@@ -143,6 +143,10 @@ class TrainConfig:
         100, "stop (exit 19) when more training cuts than this could not be read "
         "(truncated HDF5, missing file, corrupt Shar member; each is listed in "
         "<exp-dir>/unreadable-rank*.jsonl and skipped until then)")
+    max_failed_saves: int = _resilience(
+        3, "stop (exit 20) after this many checkpoint saves in a row could not be written "
+        "(disk full or failing); nothing is deleted to make room; 0: never stop for it (a "
+        "run whose last checkpoint is not written still exits 20)")
     update_retries: int = _resilience(
         2, "local retries of an optimizer/averaging phase that ran out of memory "
         "(it resumes where it stopped) before the rank is repaired from another")
@@ -160,7 +164,7 @@ class TrainConfig:
     count_allocations: str = _resilience("", hidden=True)  # the sweep's dry run: the census file
     inject_fault: list[FaultSpec] = _resilience(
         default_factory=list, append=True, parse=parse_fault,
-        metavar="PHASE@STEP[xK][:RANKS]|PHASE@cut=ID|alloc@STEP:N[:RANKS]")
+        metavar="PHASE@STEP[xK][:RANKS]|PHASE@cut=ID|alloc@STEP:N[:RANKS]|disk@KIND:N[xK][:RANKS]")
     inject_fault_real: bool = _resilience(False)
     preempt_grace_s: float = _resilience(  # SIGTERM/SIGUSR1 -> save at the next step boundary
         25.0, "after SIGTERM/SIGUSR1: stop at the next step boundary, save, exit 17; "
@@ -272,6 +276,8 @@ def validate_config(cfg: TrainConfig) -> None:
         bad("--compile-pad", "must be >= 1")
     if cfg.save_every_n < 1 or cfg.valid_interval < 1 or cfg.log_interval < 1:
         bad("--save-every-n/--valid-interval/--log-interval", "must be >= 1")
+    if cfg.max_failed_saves < 0:
+        bad("--max-failed-saves", "must be >= 0 (0: never stop for failed saves)")
     for spec in cfg.inject_fault:
         if spec.phase == "grad_sync" and cfg.grad_sync == "ddp":
             bad("--inject-fault", f"{spec}: --grad-sync ddp has no grad_sync point (DDP "

@@ -45,6 +45,7 @@ from valle.train.resilience.scan import BatchTooLargeError, scan_pessimistic_bat
 from valle.train.resilience.step import StepResult
 from valle.train.samples import write_samples
 from valle.train.saving import save, save_best_model
+from valle.train.storage import EXIT_UNSAVED, UnsavedStateError
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +228,7 @@ def train_epochs(run: Run) -> TrainSummary:
         if stopping:  # the epoch's own checkpoint is the one to resume from
             return preempted(run, summary, saved)
     run.stepper.flush()
+    run.storage.check_final()  # every rank: the count of failed saves is agreed
     logger.info("done: %d steps, last logged loss %.4f; checkpoints, logs and TensorBoard in %s%s",
                 run.step, summary.final_loss, run.cfg.exp_dir, compile_note(run.compiler))
     summary.steps = run.step
@@ -234,7 +236,7 @@ def train_epochs(run: Run) -> TrainSummary:
     run.meter.stop()  # the budget binds training; what follows is bookkeeping
     run.stepper.local("summary", lambda: summary.fingerprints.update(run.stepper.fingerprints()))
     summary.model_state = run.model.state_dict()
-    write_json(run.cfg.exp_dir / f"summary-rank{run.ctx.rank}.json", summary.to_json())
+    write_json(run, run.cfg.exp_dir / f"summary-rank{run.ctx.rank}.json", summary.to_json())
     return summary
 
 
@@ -282,11 +284,11 @@ def note_unreadable(run: Run, account: EpochAccount, entries: list[dict[str, str
     if not entries:
         return
     account.add_unreadable(entries)
-    with open(run.cfg.exp_dir / f"unreadable-rank{run.ctx.rank}.jsonl", "a") as f:
-        for entry in entries:
-            logger.warning("cut %s skipped: its codes cannot be read from %s (%s)",
-                           entry["cut_id"], entry["file"] or "?", entry["error"])
-            f.write(json.dumps({"step": run.step, **entry}) + "\n")
+    for entry in entries:
+        logger.warning("cut %s skipped: its codes cannot be read from %s (%s)",
+                       entry["cut_id"], entry["file"] or "?", entry["error"])
+    append_lines(run, run.cfg.exp_dir / f"unreadable-rank{run.ctx.rank}.jsonl",
+                 [json.dumps({"step": run.step, **entry}) for entry in entries])
 
 
 def check_unreadable(run: Run, result: StepResult) -> None:
@@ -401,8 +403,17 @@ def log_progress(run: Run, totals: MetricsTracker, meter: ThroughputMeter) -> No
 def log_trained_cuts(run: Run, result: StepResult) -> None:
     if not run.cfg.log_trained_cuts:
         return
-    with open(run.cfg.exp_dir / f"trained-cuts-rank{run.ctx.rank}.tsv", "a") as f:
-        f.write(f"{result.step}\t{','.join(result.cuts_trained)}\n")
+    append_lines(run, run.cfg.exp_dir / f"trained-cuts-rank{run.ctx.rank}.tsv",
+                 [f"{result.step}\t{','.join(result.cuts_trained)}"])
+
+
+def append_lines(run: Run, path: Path, lines: list[str]) -> None:
+    """Append to one of the run's cut lists (storage policy: a failed write is said)."""
+    def append() -> None:
+        with open(path, "a") as f:
+            f.write("".join(line + "\n" for line in lines))
+
+    run.storage.write("report", path, append)
 
 
 def close_epoch(run: Run, epoch: int, account: EpochAccount) -> dict[str, Any]:
@@ -422,12 +433,14 @@ def close_epoch(run: Run, epoch: int, account: EpochAccount) -> dict[str, Any]:
                 skipped, "(balanced)" if record["balanced"] else "(UNBALANCED)", ooms, retries)
     run.tb.scalars(epoch, {"cuts_drawn": drawn, "cuts_trained": trained,
                            "cuts_quarantined": quarantined}, prefix="epoch/")
-    write_json(run.cfg.exp_dir / f"epoch-{epoch}-summary-rank{run.ctx.rank}.json", record)
+    write_json(run, run.cfg.exp_dir / f"epoch-{epoch}-summary-rank{run.ctx.rank}.json", record)
     return record
 
 
-def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=1, default=str))
+def write_json(run: Run, path: Path, obj: Any) -> None:
+    """A summary file (storage policy: a failed write is said, training goes on)."""
+    text = json.dumps(obj, indent=1, default=str)
+    run.storage.write("summary", path, lambda: path.write_text(text))
 
 
 def write_census(path: Path, faults: FaultInjector, rank: int) -> None:
@@ -449,6 +462,7 @@ EXIT_CODES = {
     "OomNotDataError": 15,
     "StartupError": 16,
     "UnreadableDataError": 19,
+    "UnsavedStateError": EXIT_UNSAVED,  # 20: the run's state could not be written
     # not failures: a preemption signal (valle/train/preemption.py)
     "Preempted": EXIT_PREEMPTED,
     "PreemptedNoCheckpoint": EXIT_PREEMPTED_NO_CHECKPOINT,
@@ -469,7 +483,7 @@ def main_from_config(cfg: TrainConfig) -> int:
     try:
         summary = train(cfg)
     except (NoHealthyRankError, DdpBackwardOomError, ConsistencyError, BatchTooLargeError,
-            OomNotDataError, StartupError, UnreadableDataError) as e:
+            OomNotDataError, StartupError, UnreadableDataError, UnsavedStateError) as e:
         logger.error("%s", e)
         return EXIT_CODES[type(e).__name__]
     except (FileNotFoundError, CorruptCheckpointError, CheckpointError) as e:

@@ -16,6 +16,7 @@ import datetime as _dt
 import logging
 import math
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from valle.train.storage import Storage, quiet_tensorboard_thread, storage_error, warn_console
 
 __all__ = [
     "MetricsTracker",
@@ -177,36 +180,73 @@ def _fmt_count(v: float) -> str:
 
 
 class TensorBoardLogger:
-    """Scalars to TensorBoard from rank 0 only; a no-op elsewhere or when disabled."""
+    """Scalars to TensorBoard from rank 0 only; a no-op elsewhere or when disabled.
 
-    def __init__(self, log_dir: str | os.PathLike, enabled: bool = True, rank: int | None = None) -> None:
+    A write that fails (a full disk) is said once through the storage policy
+    (valle.train.storage) and drops the writer; the next call opens a new events file,
+    so the curves go on once there is room again."""
+
+    def __init__(self, log_dir: str | os.PathLike, enabled: bool = True, rank: int | None = None,
+                 storage: Storage | None = None) -> None:
         if rank is None:
             rank = _current_rank()
         self.enabled = bool(enabled) and rank == 0
         self.log_dir = Path(log_dir)
+        self.storage = storage if storage is not None else Storage()
         self._writer = None
         if self.enabled:
-            from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is heavy
+            quiet_tensorboard_thread()
+            self._open()
 
+    def _open(self) -> bool:
+        from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is heavy
+
+        def open_writer() -> None:
             self._writer = SummaryWriter(log_dir=str(self.log_dir))
 
-    def scalars(self, step: int, values: Mapping[str, Number | None], prefix: str = "") -> None:
-        if self._writer is None:
+        return self.storage.write("tensorboard", self.log_dir, open_writer)
+
+    def _use(self, work) -> None:
+        """Run `work(writer)`; on a storage error drop the writer (its thread is dead)."""
+        if not self.enabled or (self._writer is None and not self._open()):
             return
+        if not self.storage.write("tensorboard", self.log_dir, lambda: work(self._writer)):
+            self._drop()
+
+    def _drop(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except OSError:
+                pass  # already said
+
+    def scalars(self, step: int, values: Mapping[str, Number | None], prefix: str = "") -> None:
+        finite = {}
         for name, value in values.items():
             if value is None:
                 continue
             v = _to_float(value)
             if math.isfinite(v):
-                self._writer.add_scalar(prefix + name, v, global_step=step)
+                finite[prefix + name] = v
+        if not finite:
+            return
+
+        def add(writer) -> None:
+            for name, v in finite.items():
+                writer.add_scalar(name, v, global_step=step)
+
+        self._use(add)
 
     def flush(self) -> None:
         if self._writer is not None:
-            self._writer.flush()
+            self._use(lambda writer: writer.flush())
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.close()
+            writer = self._writer
+            if not self.storage.write("tensorboard", self.log_dir, writer.close):
+                self._drop()
             self._writer = None
 
 
@@ -222,6 +262,33 @@ def _current_rank() -> int:
 # Logging
 
 _HANDLER_TAG = "_valle_setup_logging"
+
+
+class LogFile(logging.FileHandler):
+    """The log file. A write that fails (a full disk) is said once on stderr, not as a
+    traceback per record; the console keeps every record, and the file takes them again
+    once there is room (said too)."""
+
+    failing = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._failed_now = False
+        super().emit(record)
+        if self.failing and not self._failed_now:
+            self.failing = False
+            warn_console(f"the log file {self.baseFilename} is written again")
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):
+            super().handleError(record)
+            return
+        self._failed_now = True
+        if not self.failing:
+            self.failing = True
+            warn_console(f"could not write the log file {self.baseFilename}: "
+                         f"{storage_error(exc)}; the log goes to the console only until "
+                         "there is room")
 
 
 def setup_logging(
@@ -251,7 +318,7 @@ def setup_logging(
         if getattr(h, _HANDLER_TAG, False):
             root.removeHandler(h)
             h.close()
-    file_handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    file_handler = LogFile(path, mode="a", encoding="utf-8")
     console = logging.StreamHandler()
     for h in (file_handler, console):
         h.setFormatter(fmt)

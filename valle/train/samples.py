@@ -34,6 +34,7 @@ import torch
 
 from valle.codec.constants import CODEBOOK_SIZE, FRAME_RATE, SAMPLE_RATE
 from valle.models.generation import DecodeOptions
+from valle.train.storage import quiet_tensorboard_thread
 
 logger = logging.getLogger(__name__)
 
@@ -293,6 +294,7 @@ class SampleWriter:
         started = time.monotonic()
         if self.listeners is None:
             self.listeners = self._load_listeners()
+        quiet_tensorboard_thread()  # a full disk: said once by the storage policy
         writer = SummaryWriter(str(self.log_dir))  # one per pass: nothing left open between them
         try:
             if self.passes == 0:
@@ -468,7 +470,8 @@ def write_samples(run: Any) -> None:
             with preserved_state(run.model, run.ctx.device):
                 if run.samples is None:
                     run.samples = SampleWriter.for_run(run)
-                run.samples.write(run.step, stop=run.preemption.requested)
+                run.storage.write("samples", Path(run.tb.log_dir) / SAMPLES_DIR,
+                                  lambda: run.samples.write(run.step, stop=run.preemption.requested))
         except Exception as e:  # noqa: BLE001 - diagnostics never stop training
             if is_oom_error(e):
                 raise  # to ResilientStep.local: reported, memory freed

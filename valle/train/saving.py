@@ -3,18 +3,18 @@ outcome agreed by every rank) and the best models."""
 
 from __future__ import annotations
 
-import errno
 import logging
 from pathlib import Path
 
 from valle.train.build import Run, active_scaler, averaged_state, checkpoint_extras, model_state
 from valle.train.checkpoint import (
+    best_path,
     make_payload,
-    readable_checkpoints,
     remove_old_checkpoints,
     save_best,
     save_checkpoint,
 )
+from valle.train.storage import storage_error
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +26,11 @@ def save(run: Run, name: str, next_epoch: bool = False) -> bool:
     The collectives (repair, sampler positions, the outcome) go through the control
     channel; the write itself is rank 0's local work. An OOM there (the averaged model's
     copy) frees memory and retries once; a storage error (disk full, I/O error, read-only
-    directory, file size limit) is reported with the path. Either way the run goes on
-    without this file - the older checkpoints are untouched, the next save tries again -
-    and every rank learns the outcome (a preempted run exits accordingly)."""
+    directory, file size limit) is said by the storage policy (valle.train.storage) with
+    the path. Either way the run goes on without this file - the older checkpoints are
+    untouched, the next save tries again - and every rank learns the outcome: a preempted
+    run exits accordingly, and --max-failed-saves failures in a row stop every rank here
+    with UnsavedStateError."""
     run.stepper.flush()  # repair damaged state first: what we save is what every rank holds
     with run.stepper.phases.phase_scope("checkpoint"):
         sampler = run.data.state_dict(run.ctx, next_epoch=next_epoch)
@@ -38,19 +40,32 @@ def save(run: Run, name: str, next_epoch: bool = False) -> bool:
         written = run.stepper.reduce_counts([float(not written)])[0] == 0
     # Reading checkpoint headers (torch.load, mmap) is host work, not device memory.
     with run.stepper.phases.host_work():
-        if not written:
-            newest = next(iter(readable_checkpoints(run.cfg.exp_dir)), None)
+        # Rank 0 said a storage error with the newest good checkpoint already (not an OOM).
+        if not written and run.storage.said != path:
             logger.error("checkpoint %s was not written (see rank 0's log); training goes on, "
-                         "the next save tries again; the newest good checkpoint is %s", path, newest)
-        elif run.ctx.is_main and name.startswith("checkpoint-"):
-            remove_old_checkpoints(run.cfg.exp_dir, run.cfg.keep_last_k)
+                         "the next save tries again; the newest good checkpoint is %s", path,
+                         run.storage.newest_good())
+        elif written and run.ctx.is_main and name.startswith("checkpoint-"):
+            remove_old(run)
+    run.storage.note_save(path, written)  # every rank: the same count, the same stop
     return written
+
+
+def remove_old(run: Run) -> None:
+    """--keep-last-k; a file that cannot be deleted (read-only storage) stays, said once."""
+    try:
+        remove_old_checkpoints(run.cfg.exp_dir, run.cfg.keep_last_k)
+    except OSError as exc:
+        logger.warning("could not delete old checkpoints in %s (--keep-last-k %d): %s",
+                       run.cfg.exp_dir, run.cfg.keep_last_k, storage_error(exc))
 
 
 def write_checkpoint(run: Run, path: Path, sampler: dict, next_epoch: bool) -> bool:
     """Rank 0's write of a checkpoint; False (reported) on an OOM or a storage error."""
+    written = False
 
     def write() -> None:
+        nonlocal written
         scaler = active_scaler(run)
         payload = make_payload(
             model=model_state(run),
@@ -62,28 +77,26 @@ def write_checkpoint(run: Run, path: Path, sampler: dict, next_epoch: bool) -> b
             batch_in_epoch=0 if next_epoch else sampler.get("batch_in_epoch", 0),
             train_stage=run.cfg.train_stage, config=run.cfg.checkpoint_config(), quarantine=run.quarantine.state(),
         ) | checkpoint_extras(run)
-        run.stepper.faults.maybe_fail_save(path)
-        logger.info("saved %s", save_checkpoint(path, payload))
+        written = run.storage.write("save", path, lambda: logger.info(
+            "saved %s", save_checkpoint(path, payload)))
 
-    try:
-        return run.stepper.local("checkpoint", write)
-    except OSError as exc:
-        logger.error("could not write checkpoint %s: %s", path, storage_error(exc))
-        return False
-
-
-def storage_error(exc: OSError) -> str:
-    """An OSError as the user needs it: errno name and message, and the file."""
-    name = errno.errorcode.get(exc.errno, "") if exc.errno else ""
-    where = f" ({exc.filename})" if exc.filename else ""
-    return f"{name + ': ' if name else ''}{exc.strerror or exc}{where}"
+    return run.stepper.local("checkpoint", write) and written
 
 
 def save_best_model(run: Run, kind: str) -> None:
-    """best-<kind>-loss.pt (kind: train or valid), the weights only: rank 0's local work."""
+    """best-<kind>-loss.pt (kind: train or valid), the weights only: rank 0's local work.
+    A failed write is said (storage policy) and changes nothing else: the file is not what
+    a resume needs, so no rank waits for it or counts it."""
     if not run.ctx.is_main:
         return
-    run.stepper.local("checkpoint", lambda: save_best(run.cfg.exp_dir, kind, make_payload(
-        model=model_state(run), model_avg=averaged_state(run), step=run.step,
-        epoch=run.epoch, train_stage=run.cfg.train_stage, config=run.cfg.checkpoint_config()
-    ) | checkpoint_extras(run)))
+    path = best_path(run.cfg.exp_dir, kind)
+
+    def write() -> None:
+        payload = make_payload(
+            model=model_state(run), model_avg=averaged_state(run), step=run.step,
+            epoch=run.epoch, train_stage=run.cfg.train_stage, config=run.cfg.checkpoint_config(),
+        ) | checkpoint_extras(run)
+        if run.storage.write("best", path, lambda: save_best(run.cfg.exp_dir, kind, payload)):
+            logger.info("saved %s", path)
+
+    run.stepper.local("checkpoint", write)

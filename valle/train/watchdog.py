@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from valle.train.storage import storage_error
+
 logger = logging.getLogger(__name__)
 
 STALL_EXIT_CODE = 75
@@ -110,11 +112,14 @@ class StallWatchdog:
                    f"exit {STALL_EXIT_CODE}")
         # The dump file first: it shares no lock with the stuck main thread.
         if self.dump_path is not None:
-            self.dump_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.dump_path, "a") as f:
-                f.write(message + "\n")
-                f.flush()
-                faulthandler.dump_traceback(file=f, all_threads=True)
+            try:
+                self.dump_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.dump_path, "a") as f:
+                    f.write(message + "\n")
+                    f.flush()
+                    faulthandler.dump_traceback(file=f, all_threads=True)
+            except OSError as exc:  # a full disk: the stacks still go to stderr, the exit stays
+                print(f"could not write {self.dump_path}: {storage_error(exc)}", file=sys.stderr)
         # Exit even if the main thread holds a lock that logging or stderr needs.
         # os._exit: the main thread is stuck (in a collective or a sleep); a normal
         # exit would wait for it forever.

@@ -41,6 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from valle.train.resilience.phases import PhaseTracker
+from valle.train.storage import WRITES
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,9 @@ OOM_PHASES = ("to_device", "forward", "backward", "grad_sync", "optimizer", "ave
 CUT_PHASES = ("to_device", "forward", "backward")
 # stall: sleep inside the step (watchdog tests); nonfinite: make this rank's loss NaN,
 # nonfinite_grad: keep the loss finite but make its gradient NaN (vote tests); kill: SIGKILL this process, first launch only (elastic-restart tests).
-# disk@save:N: the Nth checkpoint write of the run fails as a full disk does (ENOSPC).
+# disk@KIND:N[xK][:RANKS]: the Nth write of KIND (valle.train.storage.WRITES: save, best,
+# summary, quarantine, oom, report, tensorboard, samples) in this process fails as a full
+# disk does (ENOSPC); with xK the K writes of that kind from the Nth on. Rank 0 by default.
 ALL_PHASES = (*OOM_PHASES, "stall", "nonfinite", "nonfinite_grad", "kill", "alloc", "disk")
 
 
@@ -64,6 +67,7 @@ class FaultSpec:
     cut_id: str | None = None
     ranks: frozenset[int] | None = None  # None: every rank
     nth: int = 0  # alloc: the Nth allocating op of the step (1-based)
+    write: str | None = None  # disk: which writes (valle.train.storage.WRITES); N is `step`
     times: int = 1  # PHASE@STEPxK: fire on K passes through the phase (e.g. every update retry)
     text: str = field(default="", compare=False)  # the flag as given, for messages
 
@@ -99,11 +103,7 @@ def parse_fault(text: str) -> FaultSpec:
             raise fail(f"a cut target only works for {', '.join(CUT_PHASES)}")
         return FaultSpec(phase=phase, cut_id=cut_id, text=text)
     if phase == "disk":
-        save_text, _, nth_text = where.partition(":")
-        if save_text != "save" or not nth_text.isdigit() or int(nth_text) < 1:
-            raise fail("disk takes save:N (the Nth checkpoint write of the run, N >= 1)")
-        # Only rank 0 writes checkpoints.
-        return FaultSpec(phase=phase, step=int(nth_text), ranks=frozenset({0}), text=text)
+        return parse_disk_fault(where, fail, text)
     nth = 0
     if phase == "alloc":
         step_text, _, rest = where.partition(":")
@@ -131,6 +131,23 @@ def parse_fault(text: str) -> FaultSpec:
     return FaultSpec(phase=phase, step=step, ranks=ranks, nth=nth, times=times, text=text)
 
 
+def parse_disk_fault(where: str, fail: Callable[[str], ValueError], text: str) -> FaultSpec:
+    """`disk@KIND:N[xK][:RANKS]` (module doc); rank 0 unless RANKS says otherwise."""
+    kind, _, rest = where.partition(":")
+    nth_text, _, ranks_text = rest.partition(":")
+    nth_text, _, times_text = nth_text.partition("x")
+    if kind not in WRITES:
+        raise fail(f"disk takes KIND:N with KIND one of {', '.join(WRITES)}, not {kind!r}")
+    try:
+        nth, times = int(nth_text), int(times_text or 1)
+        ranks = frozenset(int(r) for r in ranks_text.split(",")) if ranks_text else frozenset({0})
+    except ValueError:
+        raise fail("disk takes KIND:N[xK][:RANKS] with integers N, K and RANKS") from None
+    if nth < 1 or times < 1:
+        raise fail("disk takes KIND:N[xK] with N >= 1 (the Nth write of KIND) and K >= 1")
+    return FaultSpec(phase="disk", step=nth, times=times, ranks=ranks, write=kind, text=text)
+
+
 class FaultInjector:
     """Raises (or really allocates) at the phases named by the fault specs."""
 
@@ -152,7 +169,7 @@ class FaultInjector:
         self.phases.subscribe(self._on_attempt)
         self.fired: list[tuple[str, int, int]] = []  # (phase, step, attempt), for tests and logs
         self._fire_counts: dict[FaultSpec, int] = {}  # passes each spec has fired on
-        self.saves = 0  # checkpoint writes so far (disk@save:N)
+        self.writes: dict[str, int] = {}  # writes so far per kind (disk@KIND:N)
         self.alloc_specs = [s for s in self.specs if s.phase == "alloc"]
         self.allocations = 0  # allocating ops counted in the current step window
         self.census: dict[int, list[tuple[str, str]]] | None = None  # step -> [(phase, op)]
@@ -253,13 +270,16 @@ class FaultInjector:
             return loss
         return self.poison_grad(self.poison_loss(loss))
 
-    def maybe_fail_save(self, path) -> None:
-        """disk@save:N: the Nth checkpoint write of this run fails as on a full disk."""
-        self.saves += 1
+    def maybe_fail_write(self, kind: str, path) -> None:
+        """disk@KIND:N[xK]: the Nth (to N+K-1th) write of KIND in this process fails as on
+        a full disk (valle.train.storage.Storage.write calls this before each write)."""
+        if not self.specs:
+            return
+        count = self.writes[kind] = self.writes.get(kind, 0) + 1
         for spec in self.specs:
-            if spec.phase == "disk" and spec.step == self.saves and not self._fire_counts.get(spec):
-                self._fire_counts[spec] = 1
-                self.fired.append(("disk", self.phases.step, self.saves))
+            if spec.phase == "disk" and spec.write == kind and spec.step <= count < spec.step + spec.times:
+                self._fire_counts[spec] = self._fire_counts.get(spec, 0) + 1
+                self.fired.append(("disk", self.phases.step, count))
                 raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
 
     def maybe_stall(self) -> None:

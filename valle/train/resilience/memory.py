@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 
+from valle.train.checkpoint import atomic_save
+from valle.train.storage import Storage
+
 logger = logging.getLogger(__name__)
 
 MiB = 1 << 20
@@ -211,11 +214,12 @@ class OomReporter:
     """Writes each OOM event, saves the first few batches, optionally a CUDA snapshot."""
 
     def __init__(self, exp_dir: str | Path | None, rank: int, save_batches: int = 3,
-                 memory_snapshots: bool = False):
+                 memory_snapshots: bool = False, storage: Storage | None = None):
         self.dir = Path(exp_dir) / "oom" if exp_dir else None
         self.rank = rank
         self.save_batches = save_batches
         self.memory_snapshots = memory_snapshots
+        self.storage = storage if storage is not None else Storage()  # a full disk: said once
         self.saved = 0
         self.events: list[OomEvent] = []
         self.meter = None  # valle.train.resilience.meter (set by the trainer): budget, CPU figures
@@ -224,20 +228,30 @@ class OomReporter:
     def report(self, event: OomEvent, batch: dict[str, Any] | None) -> OomEvent:
         self._add_budget_figures(event, batch)
         if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            if batch is not None and self.saved < self.save_batches:
-                name = f"batch-step{event.step}-rank{self.rank}-attempt{event.attempt}-{event.phase}.pt"
-                torch.save({k: v for k, v in batch.items()}, self.dir / name)
-                event.saved_batch = str(self.dir / name)
-                self.saved += 1
-            if self.memory_snapshots and torch.cuda.is_available():
-                path = self.dir / f"snapshot-step{event.step}-rank{self.rank}.pickle"
-                torch.cuda.memory._dump_snapshot(str(path))
-            with open(self.dir / f"events-rank{self.rank}.jsonl", "a") as f:
-                f.write(json.dumps(asdict(event)) + "\n")
+            self._write(event, batch, self.dir)
         self.events.append(event)
         logger.warning("%s", event.summary())
         return event
+
+    def _write(self, event: OomEvent, batch: dict[str, Any] | None, out: Path) -> None:
+        """The event's files; each write that fails is said and left out (training goes on)."""
+        write = self.storage.write
+        if not write("oom", out, lambda: out.mkdir(parents=True, exist_ok=True)):
+            return
+        if batch is not None and self.saved < self.save_batches:
+            path = out / f"batch-step{event.step}-rank{self.rank}-attempt{event.attempt}-{event.phase}.pt"
+            if write("oom", path, lambda: atomic_save(path, dict(batch))):
+                event.saved_batch = str(path)
+                self.saved += 1
+        if self.memory_snapshots and torch.cuda.is_available():
+            path = out / f"snapshot-step{event.step}-rank{self.rank}.pickle"
+            write("oom", path, lambda: torch.cuda.memory._dump_snapshot(str(path)))
+
+        def append() -> None:
+            with open(out / f"events-rank{self.rank}.jsonl", "a") as f:
+                f.write(json.dumps(asdict(event)) + "\n")
+
+        write("oom", out / f"events-rank{self.rank}.jsonl", append)
 
     def _add_budget_figures(self, event: OomEvent, batch: dict[str, Any] | None) -> None:
         """The budget, the batch's predicted peak beside it, and on CPU the meter's figures."""

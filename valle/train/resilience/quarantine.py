@@ -14,12 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from valle.train.storage import Storage
+
 logger = logging.getLogger(__name__)
 
 
 class Quarantine:
-    def __init__(self, path: str | Path | None):
+    def __init__(self, path: str | Path | None, storage: Storage | None = None):
         self.path = Path(path) if path else None
+        self.storage = storage if storage is not None else Storage()
         self.entries: dict[str, dict[str, Any]] = {}
         if self.path is not None and self.path.exists():
             self._load()
@@ -56,9 +59,14 @@ class Quarantine:
         self.entries[cut_id] = entry
         logger.warning("quarantined cut %s at step %d: %s", cut_id, step, reason)
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(json.dumps(entry) + "\n")
+            # A failed append is said; the entry still rides in every checkpoint's payload.
+            self.storage.write("quarantine", self.path, lambda: self._append(entry))
+
+    def _append(self, entry: dict[str, Any]) -> None:
+        assert self.path is not None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
 
     def merge(self, entries: list[dict[str, Any]]) -> None:
         """Adopt entries from a checkpoint (without rewriting the file)."""
