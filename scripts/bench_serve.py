@@ -10,6 +10,9 @@ text token) and the example prompt:
 * refusals with a full queue: the 503 of a full queue, and a bad text (Han letters under
   en-us) behind good work, seconds from request to answer.
 
+Beside requests/s (wall time: other work on the cores slows it), the server's own CPU time per
+request, which the machine's load hardly changes.
+
 ``--repo DIR`` serves from another checkout (e.g. the main branch before this server) for the
 first two rows. Helpers here (``make_exp``, ``ServerProcess``, ``post``) are shared with
 tests/test_serve_load.py.
@@ -114,6 +117,13 @@ class ServerProcess:
                 raise RuntimeError(f"the server did not answer in {self.start_timeout:g} s")
             time.sleep(0.2)
 
+    def cpu_seconds(self) -> float:
+        """CPU time the server process has used (all its threads): what a request costs it,
+        whatever else runs on the machine."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def rss_mb(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as f:
             line = next(ln for ln in f if ln.startswith("VmRSS:"))
@@ -141,22 +151,24 @@ def timed_post(client, **kw) -> tuple[float, int]:
     return time.monotonic() - started, response.status_code
 
 
-def sequential(url: str, n: int) -> tuple[float, float]:
-    """(requests/s, median seconds per request) of one client."""
+def sequential(url: str, n: int, server: ServerProcess) -> tuple[float, float, float]:
+    """(requests/s, median seconds per request, server CPU seconds per request) of one client."""
     import httpx
 
     with httpx.Client(base_url=url) as client:
         assert post(client).status_code == 200  # warm-up: the model loads
+        cpu = server.cpu_seconds()
         took = []
         for _ in range(n):
             seconds, status = timed_post(client)
             assert status == 200, status
             took.append(seconds)
-    return n / sum(took), statistics.median(took)
+    return n / sum(took), statistics.median(took), (server.cpu_seconds() - cpu) / n
 
 
-def concurrent(url: str, clients: int, per_client: int) -> float:
-    """requests/s of ``clients`` clients, each sending ``per_client`` requests one after another."""
+def concurrent(url: str, clients: int, per_client: int, server: ServerProcess) -> tuple[float, float]:
+    """(requests/s, server CPU seconds per request) of ``clients`` clients, each sending
+    ``per_client`` requests one after another."""
     import httpx
 
     def one_client(_):
@@ -165,14 +177,16 @@ def concurrent(url: str, clients: int, per_client: int) -> float:
                 assert post(client).status_code == 200
     with httpx.Client(base_url=url) as client:
         assert post(client).status_code == 200
-    started = time.monotonic()
+    started, cpu = time.monotonic(), server.cpu_seconds()
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(one_client, range(clients)))
-    return clients * per_client / (time.monotonic() - started)
+    n = clients * per_client
+    return n / (time.monotonic() - started), (server.cpu_seconds() - cpu) / n
 
 
-def refusals(url: str, max_queue: int) -> dict[str, list[float]]:
-    """Seconds to a 503 (queue full) and to a 400 (Han text) while good work fills the queue."""
+def refusals(url: str, busy: int) -> dict[str, list[float]]:
+    """Seconds to a 503 (queue full) and to a 400 (Han text) while ``busy`` clients keep the
+    queue full."""
     import httpx
 
     out: dict[str, list[float]] = {"full": [], "bad": []}
@@ -185,8 +199,8 @@ def refusals(url: str, max_queue: int) -> dict[str, list[float]]:
             while not stop.is_set():
                 post(client, text=" ".join([TEXT] * 6))
 
-    with ThreadPoolExecutor(max_queue + 8) as pool:
-        for i in range(max_queue + 8):
+    with ThreadPoolExecutor(busy) as pool:
+        for i in range(busy):
             pool.submit(keep_busy, i)
         with httpx.Client(base_url=url) as client:
             time.sleep(2.0)
@@ -219,20 +233,23 @@ def main() -> int:
             setups.append((f"{args.repo} (before)", args.repo.resolve(), ()))
         for name, repo, flags in setups:
             with ServerProcess(exp, *flags, repo=repo) as server:
-                rate1, median = sequential(server.url, args.requests)
-                rate16 = concurrent(server.url, args.clients, args.per_client)
-            rows.append((name, rate1, median, rate16))
+                rate1, median, cpu1 = sequential(server.url, args.requests, server)
+                rate16, cpu16 = concurrent(server.url, args.clients, args.per_client, server)
+            rows.append((name, rate1, median, cpu1, rate16, cpu16))
         print(f"tiny checkpoint, example prompt, {TEXT!r}; {os.cpu_count()} CPU cores, OMP_NUM_THREADS="
               f"{os.environ.get('OMP_NUM_THREADS', 'unset')}, load average {load:.1f} at the start\n")  # fmt: skip
-        print(f"| server | 1 client: requests/s | 1 client: median latency | {args.clients} clients: "
-              f"requests/s | {args.clients} clients / 1 client |")  # fmt: skip
-        print("| --- | --- | --- | --- | --- |")
-        for name, rate1, median, rate16 in rows:
-            print(f"| {name} | {rate1:.1f} | {median * 1000:.0f} ms | {rate16:.1f} | {rate16 / rate1:.2f}x |")
-        with ServerProcess(exp, "--max-queue", "8") as server:
-            found = refusals(server.url, 8)
+        n = args.clients
+        print(f"| server | 1 client: requests/s | median latency | CPU per request | {n} clients: "
+              f"requests/s | CPU per request | {n} clients / 1 client: requests/s | CPU per request |")  # fmt: skip
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for name, rate1, median, cpu1, rate16, cpu16 in rows:
+            print(f"| {name} | {rate1:.1f} | {median * 1000:.0f} ms | {cpu1 * 1000:.0f} ms | {rate16:.1f} | "
+                  f"{cpu16 * 1000:.0f} ms | {rate16 / rate1:.2f}x | {cpu1 / cpu16:.2f}x less |")  # fmt: skip
+        with ServerProcess(exp, "--max-queue", "4", "--max-batch", "4") as server:
+            found = refusals(server.url, 24)
         print()
-        print("| refusal with a full queue (--max-queue 8) | answers | median | max |")
+        print("| refusal with a full queue (--max-queue 4 --max-batch 4, 24 clients keeping it full) "
+              "| answers | median | max |")  # fmt: skip
         print("| --- | --- | --- | --- |")
         for what, label in (("full", "503 queue full"), ("bad", "Han text under en-us")):
             took = found[what]
