@@ -19,6 +19,8 @@
 #   every 250 steps, in --exp-dir (default exp/lora). The corpus must be tokenized with the
 #   base's symbol table, given as --text-tokens (prepare.sh --extra-tokenizer-flags
 #   "--text-tokens TABLE"). --start-from without --lora-rank trains every weight from there.
+#   --add-language NAME (a VALL-E X checkpoint): its language tables grow by NAME's row, which
+#   trains with the adapters (docs/training.md, "A new language").
 set -euo pipefail
 
 dataset=""
@@ -45,7 +47,9 @@ lora_targets=attn,ffn
 finetune_steps=2000 # per stage, with --lora-rank
 finetune_lr=5e-4
 text_tokens=""      # the symbol table (default: data/tokenized's); with --start-from: the base's
-options="dataset recipe nproc dtype num_epochs max_duration memory_budget_gb max_text_tokens shar_dir exp_dir num_languages languages python start_from lora_rank lora_alpha lora_targets finetune_steps finetune_lr text_tokens"
+add_language=""     # with --start-from a VALL-E X checkpoint: teach it this language (espeak voice, e.g. de)
+add_language_init=mean  # its row starts as the mean of the others, or a copy of one (e.g. en)
+options="dataset recipe nproc dtype num_epochs max_duration memory_budget_gb max_text_tokens shar_dir exp_dir num_languages languages python start_from lora_rank lora_alpha lora_targets finetune_steps finetune_lr text_tokens add_language add_language_init"
 . "$(dirname "${BASH_SOURCE[0]}")/parse_options.sh"
 
 [ -n "$dataset" ] || { echo "$0: --dataset is required" >&2; exit 1; }
@@ -86,6 +90,7 @@ if [ "$lora_rank" -gt 0 ]; then
 elif [ -n "$start_from" ]; then
   train+=(--start-from "$start_from")
 fi
+if [ -n "$add_language" ]; then train+=(--add-language "$add_language" --add-language-init "$add_language_init"); fi
 launch=("$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc" --max-restarts 3
         "$root/bin/trainer.py")
 

@@ -424,7 +424,12 @@ def apply_adapters(model, config: dict[str, Any], hp: dict[str, Any], adapters: 
     except (LoraError, CheckpointError) as e:
         raise InputError(str(e)) from e
     logger.info("--lora %s: rank %d adapters on %s", adapters, payload["lora"]["config"]["lora_rank"], base)
-    return {**config, **dict(payload.get("config") or {}), **hp, "lora_adapters": str(adapters)}
+    out = {**config, **dict(payload.get("config") or {}), **hp, "lora_adapters": str(adapters)}
+    if payload["lora"].get("added_languages"):  # --add-language: the grown table, rows in order
+        out.update(languages=list(payload["lora"]["languages"]), num_languages=model.num_languages)
+        logger.info("--lora %s: adds language(s) %s (table %s)", adapters,
+                    ", ".join(payload["lora"]["added_languages"]), ", ".join(out["languages"]))
+    return out
 
 
 def write_merged_lora(args: argparse.Namespace) -> Path:

@@ -80,6 +80,12 @@ class Stats:
     text_tokens: int = 0
     rate_hist: list[int] = field(default_factory=lambda: [0] * RATE_BINS)
     languages: dict[str, dict[str, float]] = field(default_factory=dict)
+    # vallex-bpe, a language the model gained: characters its table lacks, left out (counts)
+    lacking: dict[str, int] = field(default_factory=dict)
+
+    def add_lacking(self, lacking: dict[str, int]) -> None:
+        for ch, n in lacking.items():
+            self.lacking[ch] = self.lacking.get(ch, 0) + n
 
     def add_cut(self, seconds: float, phones: int, tokens: int, voice: str) -> None:
         self.cuts += 1
@@ -105,6 +111,7 @@ class Stats:
             mine = self.languages.setdefault(voice, {"cuts": 0, "seconds": 0.0, "bad": 0})
             for k, v in d.items():
                 mine[k] = mine.get(k, 0) + v
+        self.add_lacking(other.lacking)
 
     def rate_quantile(self, q: float) -> float:
         """Text tokens per second (bos/eos included) at quantile q, per cut (bin upper edge)."""
@@ -119,7 +126,8 @@ class Stats:
         return RATE_BINS * RATE_BIN
 
     def to_json(self) -> dict:
-        out = {k: getattr(self, k) for k in ("cuts", "seconds", "phones", "text_tokens", "languages")}
+        out = {k: getattr(self, k) for k in ("cuts", "seconds", "phones", "text_tokens", "languages",
+                                             "lacking")}
         out["phones_per_second"] = self.phones / self.seconds if self.seconds else 0.0
         out["text_tokens_per_second"] = self.text_tokens / self.seconds if self.seconds else 0.0
         out["text_tokens_per_second_p99"] = self.rate_quantile(0.99)
@@ -130,7 +138,8 @@ class Stats:
     def from_json(d: dict) -> Stats:
         return Stats(cuts=d["cuts"], seconds=d["seconds"], phones=d["phones"],
                      text_tokens=d["text_tokens"], rate_hist=list(d["rate_hist"]),
-                     languages={k: dict(v) for k, v in d["languages"].items()})
+                     languages={k: dict(v) for k, v in d["languages"].items()},
+                     lacking=dict(d.get("lacking", {})))
 
 
 def language_report(stats: Stats) -> list[str]:
@@ -138,6 +147,13 @@ def language_report(stats: Stats) -> list[str]:
     for voice, d in sorted(stats.languages.items()):
         lines.append(f"  {voice:<10} {int(d['cuts']):>8} cuts {d['seconds'] / 3600:>9.3f} h "
                      f"{int(d['bad']):>6} bad")
+    if stats.lacking:  # a new language's characters the vallex-bpe table has no id for
+        from collections import Counter
+
+        from valle.data.vallex_text import describe_lacking
+
+        lines.append(f"  left out, not in the vallex-bpe table ({sum(stats.lacking.values())} "
+                     f"characters): {describe_lacking(Counter(stats.lacking))}")
     return lines
 
 
@@ -327,6 +343,8 @@ class PartTokenizer:
                 ph = self.text.phonemize_one(text, voice)
             except TextTokenizationError as e:
                 bad = (V.PHONEMIZE_FAILED, str(e)[:300])
+        if ph is not None and ph.lacking:  # reported with the part's stats, by name
+            stats.add_lacking(ph.lacking)
         if bad is None:
             bad = V.check_text_symbols(text, voice, ph.symbols, ph.language_switches, cut.duration,
                                        o.max_phones_per_second)

@@ -58,6 +58,8 @@ class Phonemized:
     symbols: list[str]
     # Languages espeak switched to (e.g. ["zh"]): the voice could not read part of the text.
     language_switches: list[str] = field(default_factory=list)
+    # vallex-bpe, a language the model gained: characters its table lacks, left out (counts)
+    lacking: dict[str, int] = field(default_factory=dict)
 
 
 def split_phonemized(phonemized: str) -> list[str]:
@@ -167,11 +169,11 @@ class TextTokenizer:
         if self.backend_name == "pypinyin":
             return pinyin_symbols(text)
         if self.backend_name == "vallex-bpe":  # Plachtaa/VALL-E-X's (valle/data/vallex_text.py)
-            from valle.data.vallex_text import FrontendError
-            from valle.data.vallex_text import symbols as vallex_symbols
+            from valle.data.vallex_text import FrontendError, symbols_and_lacking
 
             try:
-                return Phonemized(vallex_symbols(text, language or self.language))
+                said, lacking = symbols_and_lacking(text, language or self.language)
+                return Phonemized(said, lacking=dict(lacking))
             except FrontendError as e:
                 raise TextTokenizationError(str(e)) from e
         from phonemizer.separator import Separator

@@ -13,6 +13,11 @@ proven equal):
 * spaces become ``_`` and the byte-pair table ``bpe_69.json`` (Hugging Face ``tokenizers``)
   maps each character to one id: a token's language is its span's.
 
+A language VALL-E X does not read (one a checkpoint gained with ``bin/trainer.py
+--add-language NAME``) is read by espeak (NAME, or the espeak voice it names) and its IPA
+written with the table's characters (``ESPEAK_TO_TABLE``, its author's recipe for a new
+language); characters the table lacks are left out, counted and reported by name.
+
 The model's language ids are a checkpoint's ``languages`` (en 0, zh 1, ja 2); prompt files
 (``.npz``) number languages otherwise (``PROMPT_FILE_LANGUAGES``). Needs the ``vallex``
 extra (``pip install -e '.[vallex]'``); Japanese also needs pyopenjtalk and its dictionary.
@@ -21,8 +26,14 @@ extra (``pip install -e '.[vallex]'``); Japanese also needs pyopenjtalk and its 
 from __future__ import annotations
 
 import functools
+import logging
 import re
+import threading
+import unicodedata
+from collections import Counter
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 FRONTEND = "vallex-bpe"
 BPE_VOCAB = "bpe_69.json"
@@ -265,6 +276,89 @@ def japanese_ipa(text: str) -> str:
 _TO_IPA = {"EN": english_ipa, "ZH": mandarin_ipa, "JA": japanese_ipa}
 
 
+# ------------------------------------------------------------ a new language
+# The phoneme characters of bpe_69.json (each one id; tests check this against the file).
+TABLE_CHARACTERS = frozenset("!#*,-.=?NQ^_`abdefghijklmnopstuvwxyz~æçðŋɑɔəɛɥɪɫɯɸɹɾʃʊʑʒʰˈˌθ…⁼↑→↓")
+# espeak's IPA -> the table's characters, where VALL-E X writes that sound (or mark) so.
+ESPEAK_TO_TABLE = {
+    # the same sound under another code point
+    "ɡ": "g", "ʧ": "tʃ", "ʤ": "dʒ", "\u0361": "",  # tie bar
+    # as VALL-E X's English writes it: one r (ɹ), no length marks, ə for the central vowels
+    "r": "ɹ", "ʁ": "ɹ", "ː": "", "ˑ": "", "ʌ": "ə", "ɜ": "ə", "ɐ": "ə", "ɚ": "əɹ", "ɝ": "əɹ",
+    "ɒ": "ɑ",
+    # palatal(ised) consonants as its Japanese writes them (n^i, kj)
+    "ɲ": "n^", "ʲ": "j",
+    # punctuation: the table's marks; Spanish opening marks and quotes are not said
+    ";": ",", ":": ",", "—": "-", "–": "-", "¿": "", "¡": "", "«": "", "»": "", '"': "",
+}  # fmt: skip
+_espeak_lock = threading.Lock()
+
+
+@functools.cache
+def _espeak(voice: str):
+    from valle.data.text import configure_espeak
+
+    configure_espeak()
+    from phonemizer.backend import EspeakBackend
+
+    return EspeakBackend(voice, preserve_punctuation=True, with_stress=True,
+                         language_switch="remove-flags", logger=logging.getLogger(f"{__name__}.espeak"))
+
+
+def espeak_ipa(text: str, language: str) -> str:
+    """``text`` in espeak's IPA (stress marks kept, words separated by spaces) by the espeak
+    voice ``language`` names (``de``, ``german``, ``fr``: valle/data/languages.py)."""
+    from valle.data.languages import UnknownLanguageError, espeak_voice
+
+    try:
+        voice = espeak_voice(language)
+    except UnknownLanguageError as e:
+        raise FrontendError(str(e)) from e
+    except ImportError as e:
+        raise FrontendError(f"language {language!r} is read by espeak: pip install phonemizer "
+                            f"espeakng-loader ({e})") from e
+    from phonemizer.separator import Separator
+
+    with _espeak_lock:
+        out = _espeak(voice).phonemize([text], separator=Separator(word=" ", phone=""), strip=True,
+                                       njobs=1)  # fmt: skip
+    return re.sub(r"\s+", " ", " ".join(out)).strip()
+
+
+def to_table(ipa: str, table: frozenset[str] | set[str] = TABLE_CHARACTERS) -> tuple[str, Counter]:
+    """``ipa`` in the table's characters (``ESPEAK_TO_TABLE``) and the characters it lacks,
+    left out, with their counts."""
+    out, lacking = [], Counter()
+    for ch in ipa:
+        for mapped in ESPEAK_TO_TABLE.get(ch, ch):
+            if mapped == " " or mapped in table:
+                out.append(mapped)
+            else:
+                lacking[mapped] += 1
+    return re.sub(" +", " ", "".join(out)).strip(), lacking
+
+
+def describe_lacking(lacking: Counter) -> str:
+    """"'ø' (LATIN SMALL LETTER O WITH STROKE) x3, ..." for a report."""
+    return ", ".join(f"{ch!r} ({unicodedata.name(ch, f'U+{ord(ch):04X}')}) x{n}"
+                     for ch, n in lacking.most_common())
+
+
+def new_language_phonemes(text: str, language: str,
+                          table: frozenset[str] | set[str] = TABLE_CHARACTERS) -> tuple[str, Counter]:
+    """A text in a language VALL-E X does not read, as a span of its own languages is said
+    (ends in a mark, a full stop added otherwise), and the characters the table lacks."""
+    said, lacking = to_table(espeak_ipa(text, language), table)
+    if said and said[-1] not in _END_MARKS:
+        said += "."
+    return said, lacking
+
+
+def is_new_language(language: str) -> bool:
+    """A language none of VALL-E X's own frontends reads (nor mix or auto): espeak reads it."""
+    return language_code(language) not in (*LANGUAGES, MIX, AUTO)
+
+
 # ------------------------------------------------------------------ the text
 def phonemes(tagged: str) -> tuple[str, list[str]]:
     """The IPA string of every tagged span of ``tagged`` (text outside tags is dropped, as
@@ -295,9 +389,18 @@ def symbols(text: str, language: str) -> list[str]:
     """The phoneme characters VALL-E X's byte-pair table maps to one id each (spaces as
     ``_``), of ``text`` in ``language`` (its tag; espeak spellings accepted): what
     bin/tokenizer.py --text-extractor vallex-bpe stores per cut."""
+    return symbols_and_lacking(text, language)[0]
+
+
+def symbols_and_lacking(text: str, language: str) -> tuple[list[str], Counter]:
+    """``symbols``, and the characters the table lacks (a new language's; left out)."""
     text = text.replace("\n", "").strip(" ")
-    said, _ = phonemes(f"_{_tag(text, language_code(language))}".strip())
-    return [ch for ch in said.replace(" ", "_") if not ch.isspace()]
+    lacking: Counter = Counter()
+    if is_new_language(language):
+        said, lacking = new_language_phonemes(text, language)
+    else:
+        said, _ = phonemes(f"_{_tag(text, language_code(language))}".strip())
+    return [ch for ch in said.replace(" ", "_") if not ch.isspace()], lacking
 
 
 def symbol_table_text(bpe_vocab: str | Path) -> str:
@@ -324,7 +427,8 @@ def _tag(text: str, language: str) -> str:
         return text
     if language not in TAGS:
         raise FrontendError(f"language {language!r}: VALL-E X reads {', '.join(LANGUAGES)}, "
-                            f"{MIX} (tagged text) or {AUTO}")  # fmt: skip
+                            f"{MIX} (tagged text), {AUTO}, or a language its checkpoint gained "
+                            "with --add-language")  # fmt: skip
     return TAGS[language] + text + TAGS[language]
 
 
@@ -356,6 +460,9 @@ class VallexTokenizer:
         tokenizers = _need("tokenizers")
         self.path = path
         self.bpe = tokenizers.Tokenizer.from_file(str(path))
+        self.table = frozenset(s for s in self.bpe.get_vocab() if len(s) == 1 and not s.isspace())
+        # a new language's characters the table lacks, left out of every text encoded so far
+        self.lacking: Counter = Counter()
 
     def tag(self, text: str, language: str) -> str:
         """``text`` wrapped in its language's tag (``mix``: as given; ``auto``: detected)."""
@@ -368,11 +475,28 @@ class VallexTokenizer:
             raise FrontendError(f"{tagged!r}: {len(ids)} tokens for {len(languages)} phonemes")
         return ids, languages
 
+    def encode_new_language(self, text: str, language: str) -> tuple[list[int], list[str]]:
+        """A language a checkpoint gained (--add-language): espeak's IPA in the table's
+        characters; those it lacks are left out with a warning naming them."""
+        said, lacking = new_language_phonemes(text, language, self.table)
+        if lacking:
+            self.lacking.update(lacking)
+            logger.warning("%r (%s): left out %d character(s) the table %s lacks: %s", text, language,
+                           sum(lacking.values()), self.path.name, describe_lacking(lacking))  # fmt: skip
+        ids = self.bpe.encode(said.replace(" ", "_")).ids
+        if len(ids) != len(said):
+            raise FrontendError(f"{text!r}: {len(ids)} tokens for {len(said)} phonemes")
+        return ids, [language_code(language)] * len(ids)
+
     def encode(self, text: str, language: str) -> tuple[list[int], list[str]]:
         """As VALL-E X's ``generate_audio`` tokenizes ``text`` in ``language`` (en, zh, ja,
-        mix, auto). An empty result raises ``FrontendError``."""
+        mix, auto; a language the checkpoint gained with --add-language: espeak's reading).
+        An empty result raises ``FrontendError``."""
         text = text.replace("\n", "").strip(" ")
-        ids, languages = self.encode_tagged(f"_{self.tag(text, language)}".strip())
+        if is_new_language(language):
+            ids, languages = self.encode_new_language(text, language)
+        else:
+            ids, languages = self.encode_tagged(f"_{self.tag(text, language)}".strip())
         if not ids:
             raise FrontendError(f"{text!r} gave no phonemes ({language})")
         return ids, languages

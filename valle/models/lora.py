@@ -12,6 +12,10 @@ hold optimizer state.
 sha256 that ties them to their base, ``merge_lora(model)`` folds them into the weights (the
 model is then a plain one, saved as a normal checkpoint).
 
+A new language (``--add-language``, a VALL-E X model) grows the AR and NAR language tables by
+one row each (``add_language_rows``): ``LanguageRows`` keeps the base's table as its frozen
+``weight`` and the new rows as ``added_rows``, which train and travel with the adapters.
+
 The attention's fused projections are ``nn.Linear`` modules read through
 ``transformer.project`` (their key bias lives outside the module), which adds the
 adapter's ``low_rank_update`` when there is one. Imports torch only.
@@ -19,6 +23,7 @@ adapter's ``low_rank_update`` when there is one. Imports torch only.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Mapping
@@ -36,7 +41,10 @@ from .convert import CheckpointError
 from .transformer import MultiHeadAttention, TransformerLayer
 
 LORA_TARGETS = ("attn", "ffn", "embed", "head")
-ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
+# ``added_rows``: a new language's rows (LanguageRows), saved and loaded with the adapters.
+ADAPTER_SUFFIXES = (".lora_A", ".lora_B", ".added_rows")
+# The VALL-E X language tables a new language grows.
+LANGUAGE_TABLES = ("ar_language_embedding", "nar_language_embedding")
 
 
 class LoraError(CheckpointError):
@@ -170,7 +178,34 @@ class LoraEmbedding(nn.Embedding):
         return plain
 
 
-ADAPTER_TYPES = (LoraLinear, LoraEmbedding)
+class LanguageRows(nn.Embedding):
+    """A language table grown by new rows (--add-language): ``weight`` is the base's table,
+    frozen, under its own key (so the base's fingerprint and checkpoint are unchanged), and
+    ``added_rows`` the new languages' rows (ids ``base_rows`` on), which train. Two tensors,
+    not one table with a gradient mask: weight decay would move masked rows too."""
+
+    def __init__(self, base: nn.Embedding, added: torch.Tensor):
+        nn.Module.__init__(self)
+        for name in ("embedding_dim", "padding_idx", "max_norm", "norm_type",
+                     "scale_grad_by_freq", "sparse"):
+            setattr(self, name, getattr(base, name))
+        self.weight = base.weight
+        self.base_rows = base.weight.shape[0]
+        self.num_embeddings = self.base_rows + added.shape[0]
+        self.added_rows = nn.Parameter(added.to(base.weight))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, torch.cat([self.weight, self.added_rows]), self.padding_idx,
+                           self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse)
+
+    def merged(self) -> nn.Embedding:
+        plain = nn.Embedding(self.num_embeddings, self.embedding_dim, self.padding_idx,
+                             device="meta")
+        plain.weight = nn.Parameter(torch.cat([self.weight, self.added_rows]).detach().clone())
+        return plain
+
+
+ADAPTER_TYPES = (LoraLinear, LoraEmbedding, LanguageRows)
 
 
 @dataclass
@@ -206,6 +241,9 @@ def plan_lora(model: nn.Module, config: LoraConfig) -> LoraPlan:
         target = _target_of(name, module, parent)
         if target is None or target not in config.lora_targets:
             continue
+        if isinstance(module, LanguageRows):
+            plan.skipped[name] = "its new language's row trains whole (--add-language)"
+            continue
         if isinstance(module, ADAPTER_TYPES):
             raise LoraError(f"{name} already has LoRA adapters")
         if target == "embed" and name == "ar_audio_embedding" and getattr(model, "tie_ar_head", False):
@@ -238,7 +276,37 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> LoraPlan:
             wrapped = LoraLinear(base, config.lora_rank, config.scaling, config.lora_dropout)
         wrapped.train(base.training)
         setattr(parent, child, wrapped)
+    for module in model.modules():  # a new language's rows train with the adapters
+        if isinstance(module, LanguageRows):
+            module.added_rows.requires_grad_(True)
     return plan
+
+
+def add_language_rows(model: nn.Module, count: int, init: str | int = "mean") -> None:
+    """Grow the model's AR and NAR language tables by ``count`` rows each, in place (before
+    ``apply_lora``, after the base is fingerprinted). Each new row starts as ``init``: "mean"
+    (the mean of the base's rows) or a row index (a copy of that language's row)."""
+    if count < 1:
+        raise ValueError(f"add_language_rows: count must be >= 1, got {count}")
+    tables = [name for name in LANGUAGE_TABLES if getattr(model, name, None) is not None]
+    if not tables:
+        raise LoraError("--add-language: this model has no language table (a VALL-E X model has "
+                        "one; --num-languages 0 models do not)")
+    for name in tables:
+        base = getattr(model, name)
+        if isinstance(base, ADAPTER_TYPES):
+            raise LoraError(f"--add-language: {name} is already wrapped ({type(base).__name__})")
+        with torch.no_grad():
+            w = base.weight.detach()
+            row = w.float().mean(0, keepdim=True) if init == "mean" else w[int(init)][None].float()
+            setattr(model, name, LanguageRows(base, row.to(w.dtype).repeat(count, 1)))
+    rows = getattr(model, tables[0]).num_embeddings
+    # Everything that reads the table's size: id checks, the hparams checkpoints record.
+    model.num_languages = rows
+    if isinstance(getattr(model, "hparams", None), dict):
+        model.hparams["num_languages"] = rows
+    if dataclasses.is_dataclass(getattr(model, "config", None)):
+        model.config = dataclasses.replace(model.config, num_languages=rows)
 
 
 def has_lora(model: nn.Module) -> bool:
@@ -331,6 +399,9 @@ def attach_adapters(model: nn.Module, payload: Mapping[str, Any], source: str, b
         raise LoraError(
             f"{source}: trained on base {entry['base']} (sha256 {entry['base_sha256'][:12]}...), "
             f"but {base_name} has sha256 {found[:12]}...: pass the base they were trained on")
+    added = list(entry.get("added_languages") or [])
+    if added:  # rows the run added (--add-language): their values are among the adapters
+        add_language_rows(model, len(added))
     apply_lora(model, LoraConfig.from_dict(entry["config"]))
     key = "model_avg" if use_averaged_model else "model"
     if payload.get(key) is None:

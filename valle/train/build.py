@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from valle.models.config import ModelConfig
 from valle.train import autobatch
 from valle.train.checkpoint import (
     apply_stage_switch,
@@ -27,7 +28,9 @@ from valle.train.finetune import (
     attach_lora,
     check_lora_resume,
     check_text_tokens,
+    grow_language_table,
     load_adapters,
+    plan_new_language,
 )
 from valle.train.metrics import TensorBoardLogger
 from valle.train.optim import build_optimizer
@@ -156,14 +159,28 @@ def build_run(cfg: TrainConfig, ctx: DistContext, faults: FaultInjector | None =
     # A VALL-E X base's text frontend and language table go with every checkpoint of the run.
     frontend = frontend_record(architecture.get("config") if architecture else None)
     model = get_model(architecture_hparams(cfg, architecture)).to(ctx.device)
-    if model.num_languages != cfg.model.num_languages:  # the data must give the model's languages
+    # --add-language grows the base's table (a full model resumed has the grown one already).
+    new_language = None
+    if cfg.add_language and initial_weights is not None:
+        new_language = plan_new_language(cfg.add_language, cfg.add_language_init,
+                                         frontend.get("languages"), cfg.start_from)
+        frontend["languages"] = list(new_language.languages)
+    lora = None
+    if cfg.lora.enabled:
+        lora = attach_lora(cfg.lora, base_path, model, initial_weights, new_language)
+        initial_weights = None
+    elif new_language is not None:  # full fine-tuning: the grown table is a plain one
+        start_from(run=None, state=initial_weights, model=model, where=cfg.start_from)
+        grow_language_table(model, new_language, trainable_rows_only=False)
+        initial_weights = None
+    if architecture is not None and isinstance(getattr(model, "config", None), ModelConfig):
+        # The checkpoint's architecture (a grown language table included), not the flags', is
+        # what the data must fit and this run's checkpoints record.
+        cfg.model = model.config
+    elif model.num_languages != cfg.model.num_languages:  # the data must give the model's languages
         cfg.model = replace(cfg.model, num_languages=model.num_languages)
     if frontend.get("languages") and not cfg.data.languages:
         cfg.data.languages = corpus_voices(frontend["languages"])
-    lora = None
-    if cfg.lora.enabled:
-        lora = attach_lora(cfg.lora, base_path, model, initial_weights)
-        initial_weights = None
     if payload is not None:
         check_lora_resume(lora, payload, f"the checkpoint resumed from in {cfg.exp_dir}")
     # Frozen parameters (a LoRA base) hold no optimizer state and join no gradient bucket.
@@ -299,11 +316,13 @@ def architecture_hparams(cfg: TrainConfig, payload: dict | None) -> dict[str, An
     return values
 
 
-def start_from(run: Run, state: dict[str, torch.Tensor]) -> None:
+def start_from(run: Run | None, state: dict[str, torch.Tensor], model: torch.nn.Module | None = None,
+               where: str = "") -> None:
     """--start-from: initial weights from a checkpoint (ours or lifeiteng/vall-e's, already
     converted); the architecture came from it too; optimizer, schedule and data start afresh."""
-    run.model.load_state_dict(state, strict=True)
-    logger.info("initial weights from %s", run.cfg.start_from)
+    model = model if model is not None else run.model
+    model.load_state_dict(state, strict=True)
+    logger.info("initial weights from %s", where or run.cfg.start_from)
 
 
 def backward_reserve_mb(cfg: TrainConfig, ctx: DistContext) -> int:

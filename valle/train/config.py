@@ -63,6 +63,13 @@ class TrainConfig:
     start_from: str = _training(  # initial weights (ours or lifeiteng/vall-e's)
         "", "initial weights (and architecture) from a checkpoint: this project's or "
         "lifeiteng/vall-e's (converted on load); optimizer and data start afresh")
+    add_language: str = _training(
+        "", "teach a VALL-E X --start-from checkpoint a new language, named as its espeak "
+        "voice (e.g. de): its language tables grow by this row, which trains (with "
+        "--lora-rank: it and the adapters alone); checkpoints record the grown table")
+    add_language_init: str = _training(
+        "mean", "--add-language's row starts as the mean of the table's rows (mean), or as a "
+        "copy of one language's row (e.g. en)")
     max_steps: int = _training(0, "stop after this many steps (0: no limit)")
     seed: int = _training(42)
     device: str = _training("auto", "auto, cpu or cuda")
@@ -268,6 +275,9 @@ def validate_config(cfg: TrainConfig) -> None:
         bad("--lora-*", str(e))
     if cfg.lora.enabled and not cfg.start_from:
         bad("--lora-rank", "LoRA adapts pretrained weights: give them with --start-from")
+    if cfg.add_language and not cfg.start_from:
+        bad("--add-language", "a new language grows a pretrained model's language table: give "
+            "the model with --start-from (a VALL-E X checkpoint)")
     if cfg.lora.enabled and cfg.optimizer_name == "ScaledAdam":
         # ScaledAdam scales each update by the tensor's own size, and lora_B starts at zero.
         logger.warning("--lora-rank with --optimizer-name ScaledAdam: the zero-initialised "
