@@ -636,24 +636,11 @@ class Synthesizer:
             if isinstance(segments, TextProblem):
                 return segments
         if item.text.strip():
-            early = self._too_long_early(item, split_sentences)
+            early = too_long_early(self, item, split_sentences)
             if early is not None:
                 return early
             tokens = len(self._said(item.text, self.language, "text", item)[0])
             return length_problem(tokens, self.text_limit, split_sentences)
-        return None
-
-    def _too_long_early(self, item: Item, split: bool) -> TextProblem | None:
-        """A text of many sentences, counted sentence by sentence until it is over the limit:
-        a 25,000-character text is refused after its first sentences, not after all of them."""
-        limit = self.text_limit.max_tokens
-        # only for texts far past the limit: one near it gets its exact count below
-        sentences = [] if split or len(item.text) <= 2 * limit else split_sentences(item.text)
-        counted = 0
-        for k, sentence in enumerate(sentences if len(sentences) > 1 else [], start=1):
-            counted += len(self._said(sentence, self.language, "text", item)[0])
-            if counted > limit:
-                return length_problem(counted, self.text_limit, split, counted_sentences=(k, len(sentences)))
         return None
 
     def _text_ids(self, item: Item, continual: bool) -> tuple[torch.Tensor, int, torch.Tensor | None]:
@@ -810,6 +797,20 @@ class Synthesizer:
         """One (N,) float waveform at 24 kHz per item, or a ``Failure`` for an item that has none."""
         prepared = [self.prepare(item, continual) for item in items]
         return self.decode(prepared, continual=continual, options=options)
+
+
+def too_long_early(synth: Synthesizer, item: Item, split: bool) -> TextProblem | None:
+    """A text of many sentences, counted sentence by sentence until it is over the limit:
+    a 25,000-character text is refused after its first sentences, not after all of them."""
+    limit = synth.text_limit.max_tokens
+    # only for texts far past the limit: one near it gets its exact count in ``text_problem``
+    sentences = [] if split or len(item.text) <= 2 * limit else split_sentences(item.text)
+    counted = 0
+    for k, sentence in enumerate(sentences if len(sentences) > 1 else [], start=1):
+        counted += len(synth._said(sentence, synth.language, "text", item)[0])
+        if counted > limit:
+            return length_problem(counted, synth.text_limit, split, counted_sentences=(k, len(sentences)))
+    return None
 
 
 def write_wav(path: Path, wav: torch.Tensor) -> None:
