@@ -93,6 +93,14 @@ tmp=$(mktemp)
   echo
   python scripts/bench_codec.py --threads 2 2>/dev/null
   echo
+  echo "## Synthesis server under load: batching across requests, refusals with a full queue"
+  echo
+  echo '```'
+  echo "python scripts/bench_serve.py"
+  echo '```'
+  echo
+  python scripts/bench_serve.py 2>/dev/null
+  echo
   echo "## Tokenization throughput"
   echo
   echo '```'

@@ -1,5 +1,6 @@
-"""bin/serve.py: the synthesis page's API on a tiny checkpoint, its one-at-a-time queue, and the
-page itself in a real headless Chromium (skipped, with the reason, where there is none)."""
+"""bin/serve.py: the synthesis page's API on a tiny checkpoint, its batching queue, and the
+page itself in a real headless Chromium (skipped, with the reason, where there is none).
+The server under load, as a real process: tests/test_serve_load.py."""
 
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ from fastapi.testclient import TestClient  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent / "models"))
 from models_testlib import tiny_model  # noqa: E402
 
-from valle.infer import Failure, RunResult, write_wav  # noqa: E402
+from valle.infer import Failure  # noqa: E402
 from valle.models import NUM_AUDIO_TOKENS  # noqa: E402
 from valle.serve.app import PageSettings, create_app  # noqa: E402
 from valle.serve.cli import create_app_from_args, parse_args  # noqa: E402
-from valle.serve.engine import ResultStore, SynthesisService  # noqa: E402
+from valle.serve.engine import Admitted, ResultStore, SynthesisService  # noqa: E402
 
 PROMPT_TEXT = "the quick brown fox"
 TEXT = "jumps over the dog"
@@ -184,6 +185,8 @@ def test_example_prompt_by_name(client):
          "Han letters ('你好'): none of the languages that read it (cmn, yue"),
         ({"text": "jumps over the dog. " * 60}, "ok", "text",
          "more than this checkpoint takes in one piece (625: its longest training items"),
+        ({"text": "jumps over the dog. " * 1250}, "ok", "text",  # counted until past the limit
+         "the text is over 625 text tokens long (629 in its first 37 of 1250 sentences), more than"),
         ({"checkpoint": "x/epoch-2.pt", "language": "de"}, "ok", None,
          "--language de: not one of the model's languages"),
     ],
@@ -215,74 +218,85 @@ def test_command_line_refuses_bad_flags_in_one_line(capsys):
     assert "error: --num-candidates must be >= 1, got 0" in capsys.readouterr().err
 
 
-class GatedFakeBackend:
-    """Records when each synthesis starts and ends; holds them until ``gate`` opens, so the test
-    can have every request queued at once (several running at once would overlap)."""
+class FakeBackend:
+    """Admits every request (its arguments as the payload) and decodes each to a short wav."""
 
-    def __init__(self, seconds: float):
-        self.seconds, self.spans, self.gate = seconds, [], threading.Event()
-        self._lock = threading.Lock()
+    def __init__(self):
+        self.args, self.batches = [], []
 
     def languages(self, args):
         return [args.language]
 
-    def synthesize(self, args, item) -> RunResult:
+    def check(self, args, item) -> None:
+        pass
+
+    def admit(self, args, item) -> Admitted:
+        self.args.append(args)
+        return Admitted(("fake",), [item], args.seed, args)
+
+    def decode(self, batch, should_stop):
+        self.batches.append(len(batch))
+        return [[torch.full((2400,), 0.1)] for _ in batch]
+
+
+class GatedFakeBackend(FakeBackend):
+    """Holds the first batch until ``gate`` opens, so that the others queue behind it."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds, self.gate, self.spans = seconds, threading.Event(), []
+
+    def decode(self, batch, should_stop):
         assert self.gate.wait(60), "the test never opened the gate"
         start = time.monotonic()
         time.sleep(self.seconds)
-        write_wav(item.out_wav, torch.full((2400,), 0.1))
-        with self._lock:
-            self.spans.append((start, time.monotonic()))
-        return RunResult(written=[item.out_wav])
+        self.spans.append((start, time.monotonic()))
+        return super().decode(batch, should_stop)
 
 
 @pytest.mark.timeout(120)
-def test_concurrent_requests_are_serialized(served, tmp_path):
+def test_concurrent_requests_are_batched(served, tmp_path):
     backend = GatedFakeBackend(0.3)
     _, infer_args = parse_args(_server_argv(served))
     service = SynthesisService(backend, infer_args, ResultStore(tmp_path / "results"))
     app = create_app(service, PageSettings(exp_dir=served["exp"], prompt_dir=served["prompts"],
                                            upload_dir=tmp_path / "uploads"))  # fmt: skip
     client = TestClient(app, raise_server_exceptions=False)
-    responses = [None] * 3
+    responses = [None] * 4
 
     def send(i: int) -> None:
         responses[i] = _post(client, prompt=served["prompt"], seed=i)
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+    threads[0].start()
     deadline = time.monotonic() + 60
-    while service.queue.pending < 3:  # all three accepted and queued before any may run
-        assert time.monotonic() < deadline, f"only {service.queue.pending} requests reached the queue"
+    while service.batcher.running < 1:  # the first is decoding (held at the gate) ...
+        assert time.monotonic() < deadline, "the first request never started"
+        time.sleep(0.02)
+    for t in threads[1:]:
+        t.start()
+    while service.batcher.depth < 3:  # ... while the other three queue behind it
+        assert time.monotonic() < deadline, f"only {service.batcher.depth} requests reached the queue"
         time.sleep(0.02)
     backend.gate.set()
     for t in threads:
         t.join(timeout=60)
     assert all(r is not None and r.status_code == 200 for r in responses), responses
+    assert backend.batches == [1, 3], "the three that came during the first batch form the next"
     spans = sorted(backend.spans)
-    assert len(spans) == 3
-    for (_, end), (start, _) in zip(spans, spans[1:]):
-        assert start >= end, f"two syntheses overlapped: {spans}"
-    # the two that came behind the first say how long they waited in the queue
-    waited = sorted(r.json()["waited"] for r in responses)
-    assert waited[1] >= 0.25 and waited[2] >= 0.55, waited
-    assert service.queue.pending == 0
+    assert spans[1][0] >= spans[0][1], f"two batches overlapped: {spans}"
+    bodies = [r.json() for r in responses]
+    assert sorted(b["batch_rows"] for b in bodies) == [1, 3, 3, 3]
+    waited = sorted(b["waited"] for b in bodies)
+    assert waited[0] < 0.25 and waited[1] >= 0.25, waited  # the three waited for the first batch
+    assert service.batcher.depth == 0 and service.batcher.running == 0
+    metrics = client.get("/metrics").text
+    assert 'valle_requests_total{outcome="ok"} 4.0' in metrics
+    assert "valle_batch_rows_count 2.0" in metrics and "valle_batch_rows_sum 4.0" in metrics
 
 
-class RecordingBackend:
-    """Keeps the arguments each synthesis ran with; writes a short wav."""
-
-    def __init__(self):
-        self.args = []
-
-    def languages(self, args):
-        return [args.language]
-
-    def synthesize(self, args, item) -> RunResult:
-        self.args.append(args)
-        write_wav(item.out_wav, torch.full((2400,), 0.1))
-        return RunResult(written=[item.out_wav])
+class RecordingBackend(FakeBackend):
+    """Keeps the arguments each synthesis ran with."""
 
 
 @pytest.mark.timeout(120)
@@ -301,18 +315,16 @@ def test_top_k_off_or_empty_means_off(served, tmp_path):
     assert _post(client, prompt=served["prompt"]).status_code == 200 and backend.args[-1].top_k == 3
 
 
-class BrokenBackend:
+class BrokenBackend(FakeBackend):
     """Fails each synthesis the way a model can: no audio, out of memory, a bug."""
 
     def __init__(self, error):
+        super().__init__()
         self.error = error
 
-    def languages(self, args):
-        return [args.language]
-
-    def synthesize(self, args, item) -> RunResult:
+    def decode(self, batch, should_stop):
         if self.error is None:
-            return RunResult(failures=[Failure(item.name, "the AR model emitted EOS as its first token")])
+            return [[Failure("request", "the AR model emitted EOS as its first token")] for _ in batch]
         raise self.error
 
 
@@ -333,7 +345,9 @@ def test_model_failures_are_messages(served, tmp_path, error, status, message):
     assert response.status_code == status and message in response.json()["error"]
     assert not any((tmp_path / "results").iterdir()), "a failed result's directory was left behind"
     # the queue still serves the next request
-    assert service.queue.pending == 0
+    assert service.batcher.depth == 0 and service.batcher.alive
+    outcome = "failed"
+    assert f'valle_requests_total{{outcome="{outcome}"}} 1.0' in TestClient(app).get("/metrics").text
 
 
 # ---------------------------------------------------------------- the page in a real browser
@@ -451,3 +465,140 @@ def test_lora_adapters_in_the_exp_dir_are_served_on_their_base(served, tmp_path)
     app = create_app_from_args(*parse_args(_server_argv(served, **{"--exp-dir": exp})))
     response = _post(TestClient(app, raise_server_exceptions=False), prompt_name="fox.wav")
     assert response.status_code == 200, response.text
+
+
+# ---------------------------------------------------------------- the batcher alone
+def _batcher(decode, **kw):
+    from valle.serve.batcher import Batcher
+
+    return Batcher(decode, window=0.05, **kw)
+
+
+@pytest.mark.timeout(60)
+def test_batcher_groups_by_key_drops_cancelled_and_stops_running_rows():
+    from valle.serve.batcher import Cancelled, Job
+
+    started, release, seen, stops = threading.Event(), threading.Event(), [], []
+
+    def decode(payloads, should_stop):
+        seen.append(list(payloads))
+        if payloads[0] == "hold":
+            started.set()
+            assert release.wait(30)
+            stops.append(should_stop())  # a step after the client left: its rows read True
+        return [f"{p}!" for p in payloads]
+
+    batcher = _batcher(decode)
+    try:
+        held = Job("a", 2, "hold")
+        batcher.submit(held, batcher.reserve())
+        assert started.wait(30)
+        queued = [Job("a", 1, "a1"), Job("b", 1, "b1"), Job("a", 1, "a2"), Job("a", 1, "gone")]
+        for job in queued:
+            batcher.submit(job, batcher.reserve())
+        assert batcher.depth == 4 and batcher.running == 1
+        assert batcher.cancel(queued[3], "dropped")  # queued: out at once, never decoded
+        assert batcher.depth == 3
+        with pytest.raises(Cancelled, match="dropped"):
+            queued[3].future.result(timeout=1)
+        assert batcher.cancel(held, "dropped")  # decoding: its rows are flagged for the next step
+        release.set()
+        with pytest.raises(Cancelled):
+            held.future.result(timeout=30)
+        assert stops[0].tolist() == [True, True]
+        assert [j.future.result(timeout=30) for j in queued[:3]] == ["a1!", "b1!", "a2!"]
+        # the same key together (oldest first), the other key in a batch of its own
+        assert seen[1:] == [["a1", "a2"], ["b1"]]
+    finally:
+        batcher.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_batcher_bounds_its_queue_and_ends_work_past_its_deadline():
+    from valle.serve.batcher import Cancelled, Job, QueueFull
+
+    release = threading.Event()
+    batcher = _batcher(lambda payloads, stop: [release.wait(30) and p for p in payloads], max_queue=2)
+    try:
+        first = Job("a", 1, "first")
+        batcher.submit(first, batcher.reserve())
+        deadline = time.monotonic() + 30
+        while batcher.running < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        late = Job("a", 1, "late", deadline=time.monotonic() + 0.05)
+        batcher.submit(late, batcher.reserve())
+        ticket = batcher.reserve()  # a request being checked holds its slot too
+        with pytest.raises(QueueFull) as full:
+            batcher.reserve()
+        assert full.value.retry_after >= 1 and "2 requests queued" in str(full.value)
+        ticket.release()
+        time.sleep(0.1)
+        release.set()
+        assert first.future.result(timeout=30) == "first"
+        with pytest.raises(Cancelled, match="timed_out"):  # nobody waits for it any more
+            late.future.result(timeout=30)
+        assert batcher.depth == 0
+    finally:
+        batcher.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_batcher_skips_a_job_whose_waiter_went_away():
+    from valle.serve.batcher import Job
+
+    release, seen = threading.Event(), []
+
+    def decode(payloads, stop):
+        seen.append(list(payloads))
+        assert release.wait(30)
+        return payloads
+
+    batcher = _batcher(decode)
+    try:
+        first = Job("a", 1, "first")
+        batcher.submit(first, batcher.reserve())
+        while batcher.running < 1:
+            time.sleep(0.01)
+        orphan, expired = Job("a", 1, "orphan"), Job("a", 1, "expired", deadline=time.monotonic())
+        later = Job("a", 1, "later")
+        for job in (orphan, expired, later):
+            batcher.submit(job, batcher.reserve())
+        orphan.future.cancel()  # its waiter was cancelled without telling the batcher
+        expired.future.cancel()
+        release.set()
+        assert later.future.result(timeout=30) == "later" and batcher.alive
+        assert seen == [["first"], ["later"]]
+    finally:
+        batcher.shutdown()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sampling", [{}, {"top_k": "off", "temperature": 1.0}])
+def test_a_request_batched_with_others_gives_what_it_gives_alone(served, sampling):
+    """Greedy, and sampled with each request's seed: three requests decoded as one batch give the
+    audio each gives alone (EnCodec decodes the padded batch: equal to float tolerance)."""
+    argv = _server_argv(served, **{"--batch-window": 2.0})  # all three arrive within the window
+    client = TestClient(create_app_from_args(*parse_args(argv)), raise_server_exceptions=False)
+    texts = [TEXT, "the dog", "over the quick fox"]
+
+    def send(i, out):
+        out[i] = _post(client, prompt_name="fox.wav", text=texts[i], seed=10 + i, **sampling)
+
+    together = [None] * 3
+    threads = [threading.Thread(target=send, args=(i, together)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    alone = [None] * 3
+    for i in range(3):
+        send(i, alone)
+    for a, b in zip(together, alone):
+        assert a.status_code == b.status_code == 200, (a.text, b.text)
+        assert a.json()["batch_rows"] == 3 and b.json()["batch_rows"] == 1
+        wav_a, _ = sf.read(io.BytesIO(client.get(a.json()["wav_url"]).content))
+        wav_b, _ = sf.read(io.BytesIO(client.get(b.json()["wav_url"]).content))
+        assert wav_a.shape == wav_b.shape and np.allclose(wav_a, wav_b, atol=1e-3)
+    assert not np.allclose(*(sf.read(io.BytesIO(client.get(r.json()["wav_url"]).content))[0][:2000]
+                             for r in together[:2]))  # fmt: skip

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import logging
 import re
 import sys
@@ -22,9 +21,17 @@ from typing import Any, NamedTuple
 import torch
 
 from valle.args import DTYPES, str2bool
-from valle.codec.constants import NUM_AUDIO_TOKENS, SAMPLE_RATE
+from valle.codec.constants import SAMPLE_RATE
 from valle.config_flags import add_flags
 from valle.data.languages import split_languages
+from valle.engine import (  # noqa: F401 (Prepared, PreparedBatch, collate_prepared: the frontend's API)
+    Failure,
+    Prepared,
+    PreparedBatch,
+    collate_prepared,
+    decode_codes,
+    decode_prepared,
+)
 from valle.infer_checks import (
     AUTO,
     Segment,
@@ -74,65 +81,9 @@ class Item:
 
 
 @dataclass
-class Failure:
-    """An item that produced no audio, and why (the other items of its batch still do)."""
-
-    name: str
-    reason: str
-
-
-@dataclass
 class RunResult:
     written: list[Path] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
-
-
-@dataclass
-class Prepared:
-    """One unit ready to decode (``Synthesizer.prepare``): CPU tensors, no padding.
-
-    The boundary between the text/prompt frontend and the decoding engine: whatever reads a
-    text or a prompt makes these, whatever decodes takes them.
-    """
-
-    name: str  # how messages refer to it
-    text: torch.Tensor  # (S,) ids: BOS + prompt transcript + text + EOS
-    prompt_text_len: int  # ids of the prompt transcript part (its word separator included)
-    prompt: torch.Tensor  # (P, Q) the prompt's codes
-    text_languages: torch.Tensor | None = None  # (S,) a language id per token (VALL-E X)
-
-
-class PreparedBatch(NamedTuple):
-    text: torch.Tensor  # (B, S) padded with the symbol table's pad id
-    text_lens: torch.Tensor  # (B,)
-    prompt_text_lens: torch.Tensor  # (B,)
-    text_languages: torch.Tensor | None  # (B, S), each row padded with its last language
-    prompt: torch.Tensor  # (B, P, Q) padded with NUM_AUDIO_TOKENS
-    prompt_lens: torch.Tensor  # (B,)
-
-
-def collate_prepared(prepared: list[Prepared], pad_id: int, device) -> PreparedBatch:
-    """Prepared units as one padded batch on ``device``."""
-    text_lens = torch.tensor([u.text.numel() for u in prepared])
-    prompt_lens = torch.tensor([u.prompt.shape[0] for u in prepared])
-    text = torch.full((len(prepared), int(text_lens.max())), pad_id, dtype=torch.long)
-    q = prepared[0].prompt.shape[1]
-    prompt = torch.full((len(prepared), int(prompt_lens.max()), q), NUM_AUDIO_TOKENS, dtype=torch.long)
-    for b, unit in enumerate(prepared):
-        text[b, : unit.text.numel()] = unit.text
-        prompt[b, : unit.prompt.shape[0]] = unit.prompt
-    languages = None
-    if prepared[0].text_languages is not None:
-        languages = torch.stack([
-            torch.cat([u.text_languages, u.text_languages[-1:].expand(text.shape[1] - u.text.numel())])
-            for u in prepared
-        ])  # fmt: skip
-        languages = languages.to(device)
-    return PreparedBatch(
-        text.to(device), text_lens.to(device),
-        torch.tensor([u.prompt_text_len for u in prepared], device=device),
-        languages, prompt.to(device), prompt_lens.to(device),
-    )  # fmt: skip
 
 
 class _PadOnly(NamedTuple):
@@ -225,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sentence-gap", type=float, default=0.15,
                    help="seconds of silence between joined sentences")  # fmt: skip
     g.add_argument("--batch-size", type=int, default=1,
-                   help="texts decoded together (faster; sampled rows then depend on their batch)")  # fmt: skip
+                   help="texts decoded together (faster; each samples as it would alone, from --seed)")  # fmt: skip
     add_flags(p, DecodeOptions, DECODING_GROUP_DESCRIPTIONS, groups=[EXPERIMENTAL_DECODING_GROUP])
     p.add_argument("--continual", type=str2bool, nargs="?", const=True, default=False,
                    help="resynthesise the prompt audio: codebook 0 from it, the NAR predicts "
@@ -500,20 +451,6 @@ def write_merged_lora(args: argparse.Namespace) -> Path:
     return out
 
 
-def decode_codes(
-    codes: torch.Tensor, checkpoint_config: dict[str, Any], audio_tokenizer, decoder=None
-) -> torch.Tensor:
-    """Codes (T, Q) -> (N,) float waveform at 24 kHz: the one place codes become audio.
-
-    ``checkpoint_config`` is the checkpoint's config, so a checkpoint that records its codec
-    can be decoded with that codec.
-    """
-    del checkpoint_config  # EnCodec 24 kHz for now
-    if decoder is not None:  # --decoder vocos (valle/codec/vocos.py)
-        return decoder.decode(codes)
-    return audio_tokenizer.decode(codes.T.unsqueeze(0)).reshape(-1).float().cpu()
-
-
 # ------------------------------------------------------------------ synthesis
 class Synthesizer:
     """Tokenises texts and prompts, runs the model, decodes codes to audio."""
@@ -699,6 +636,9 @@ class Synthesizer:
             if isinstance(segments, TextProblem):
                 return segments
         if item.text.strip():
+            early = too_long_early(self, item, split_sentences)
+            if early is not None:
+                return early
             tokens = len(self._said(item.text, self.language, "text", item)[0])
             return length_problem(tokens, self.text_limit, split_sentences)
         return None
@@ -838,33 +778,17 @@ class Synthesizer:
 
     def decode(
         self, prepared: list[Prepared], *, continual: bool = False,
-        options: DecodeOptions = DecodeOptions(),
+        options: DecodeOptions = DecodeOptions(), row_seeds: list[int | None] | None = None,
+        should_stop=None, to_audio: bool = True,
     ) -> list[torch.Tensor | Failure]:
         """One (N,) float waveform at 24 kHz per prepared unit, decoded as one batch, or a
-        ``Failure`` for a unit that has none (the decoding half of synthesis)."""
-        batch = collate_prepared(prepared, self.collater.pad_id, self.device)
-        vectors = self._code_vectors(options.nar_decoding)
-        if continual:
-            codes, lens = self.model.continual(batch.text, batch.text_lens, batch.prompt,
-                                               batch.prompt_lens, text_languages=batch.text_languages,
-                                               code_vectors=vectors, return_lens=True)  # fmt: skip
-        else:
-            codes, lens = self.model.inference(
-                batch.text, batch.text_lens, batch.prompt, batch.prompt_lens,
-                prompt_text_lens=batch.prompt_text_lens, text_languages=batch.text_languages,
-                code_vectors=vectors, return_lens=True,
-                options=dataclasses.replace(options, on_empty="mark"),
-            )  # fmt: skip
-        out: list[torch.Tensor | Failure] = []
-        for b, unit in enumerate(prepared):
-            n = int(lens[b])
-            if n == 0:
-                out.append(Failure(unit.name, "the AR model emitted EOS as its first token: no "
-                                   "audio (untrained checkpoint, or text/prompt mismatch)"))  # fmt: skip
-                continue
-            out.append(decode_codes(codes[b, :n], self.config, self.audio_tokenizer,
-                                    self.decoder))
-        return out
+        ``Failure`` for a unit that has none (the decoding half: ``valle.engine``)."""
+        return decode_prepared(
+            self.model, prepared, pad_id=self.collater.pad_id, device=self.device,
+            audio_tokenizer=self.audio_tokenizer, decoder=self.decoder, options=options,
+            continual=continual, code_vectors=self._code_vectors(options.nar_decoding),
+            row_seeds=row_seeds, should_stop=should_stop, to_audio=to_audio,
+        )  # fmt: skip
 
     def synthesize(
         self, items: list[Item], *, continual: bool = False,
@@ -873,6 +797,20 @@ class Synthesizer:
         """One (N,) float waveform at 24 kHz per item, or a ``Failure`` for an item that has none."""
         prepared = [self.prepare(item, continual) for item in items]
         return self.decode(prepared, continual=continual, options=options)
+
+
+def too_long_early(synth: Synthesizer, item: Item, split: bool) -> TextProblem | None:
+    """A text of many sentences, counted sentence by sentence until it is over the limit:
+    a 25,000-character text is refused after its first sentences, not after all of them."""
+    limit = synth.text_limit.max_tokens
+    # only for texts far past the limit: one near it gets its exact count in ``text_problem``
+    sentences = [] if split or len(item.text) <= 2 * limit else split_sentences(item.text)
+    counted = 0
+    for k, sentence in enumerate(sentences if len(sentences) > 1 else [], start=1):
+        counted += len(synth._said(sentence, synth.language, "text", item)[0])
+        if counted > limit:
+            return length_problem(counted, synth.text_limit, split, counted_sentences=(k, len(sentences)))
+    return None
 
 
 def write_wav(path: Path, wav: torch.Tensor) -> None:
@@ -901,10 +839,16 @@ def _units(items: list[Item], split: bool) -> list[tuple[int, Item]]:
     return units
 
 
+def unit_items(item: Item, args: argparse.Namespace) -> list[Item]:
+    """What of ``item`` is decoded: itself, or each sentence with --split-sentences."""
+    return [unit for _, unit in _units([item], args.split_sentences and not args.continual)]
+
+
 def check_text(synth: Synthesizer, item: Item, args: argparse.Namespace) -> None:
-    """Raise ``TextError`` when any piece of ``item`` would be refused (the page's check)."""
+    """Raise ``TextError`` when any piece of ``item`` would be refused (the page's check, made
+    before it queues; ``synthesize_items`` makes the same per item of a file)."""
     split = args.split_sentences and not args.continual
-    for _, unit in _units([item], split):
+    for unit in unit_items(item, args):
         problem = synth.text_problem(unit, split)
         if problem is not None:
             raise TextError(problem.field, f"{unit.name}: {problem.message}")

@@ -82,13 +82,19 @@ def script_problem(text: str, language: str, field: str, model_languages: list[s
     return TextProblem(field, f"{what} has " + "; and ".join(parts))
 
 
-def length_problem(tokens: int, limit: TextLimit, split_sentences: bool) -> TextProblem | None:
-    """Text longer than ``limit``: the way forward is sentence splitting, or a shorter sentence."""
+def length_problem(tokens: int, limit: TextLimit, split_sentences: bool,
+                   counted_sentences: tuple[int, int] | None = None) -> TextProblem | None:  # fmt: skip
+    """Text longer than ``limit``: the way forward is sentence splitting, or a shorter sentence.
+    ``counted_sentences`` (k, n): ``tokens`` counts only the first k of its n sentences."""
     if tokens <= limit.max_tokens:
         return None
     way = ("shorten this sentence (it is one piece even with sentence splitting)" if split_sentences
            else "turn on sentence splitting (bin/infer.py --split-sentences) or shorten it")  # fmt: skip
-    return TextProblem("text", f"the text is {tokens} text tokens long, more than this checkpoint "
+    size = f"{tokens} text tokens long"
+    if counted_sentences is not None:
+        size = (f"over {limit.max_tokens} text tokens long ({tokens} in its first "
+                f"{counted_sentences[0]} of {counted_sentences[1]} sentences)")  # fmt: skip
+    return TextProblem("text", f"the text is {size}, more than this checkpoint "
                                f"takes in one piece ({limit.max_tokens}: {limit.source}): {way}")  # fmt: skip
 
 

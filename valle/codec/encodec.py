@@ -107,6 +107,7 @@ class AudioTokenizer:
     ``decode((B, Q, T)) -> (B, 1, N)`` and ``code_vectors() -> Q tensors (K_j, D)``."""
 
     name = "encodec"
+    causal = True  # a frame's audio depends on it and the frames before: batches pad on the right
     sample_rate = SAMPLE_RATE
     num_quantizers = NUM_QUANTIZERS
     frame_rate = FRAME_RATE

@@ -10,12 +10,17 @@ The public API, used by the models' ``inference``/``continual`` methods, by
 * ``nar_generate(model, ...)``: codebooks 1..Q-1 after a given codebook 0.
 * ``continual(model, ...)``: codebook 0 from the audio itself, the NAR predicts the rest.
 
+A batch may carry one seed per row (``row_seeds``: each row samples from its own
+counter-based numbers, so its tokens do not depend on the rows beside it) and a stop hook
+(``should_stop``: rows whose requester left end at the next step, with length 0).
+
 Every step is one batched model call and tensor ops: no Python loop over rows.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -34,6 +39,7 @@ from .layout import (
     nar_text,
     pack_sequences,
 )
+from .rng import uniform_from_seeds
 from .sampling import nearest_to_expectation, sample
 
 STOP_RULES = ("argmax_or_sampled", "sampled")
@@ -158,9 +164,16 @@ def synthesize(
     text_languages: torch.Tensor | None = None,
     options: DecodeOptions = DecodeOptions(),
     code_vectors: list[torch.Tensor] | None = None,
+    row_seeds: torch.Tensor | None = None,
+    should_stop: Callable[[], torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (B, T, Q) and lengths (B,) for several texts at once, each after its prompt
-    (the arguments are those of the models' ``inference``)."""
+    (the arguments are those of the models' ``inference``).
+
+    ``row_seeds`` (B,): a sampling seed per row instead of ``options.seed`` (a row then samples
+    the same tokens alone or in any batch). ``should_stop``: called before each decoding step,
+    a (B,) bool tensor (or None) of rows to abandon; they end with length 0 and skip the NAR.
+    """
     device = text_tokens.device
     bsz, p_max = prompt_codes.shape[0], prompt_codes.shape[1]
     if prompt_lens is None:
@@ -175,18 +188,50 @@ def synthesize(
     n = options.num_candidates
     rep = (lambda t: t.repeat_interleave(n, dim=0)) if n > 1 else (lambda t: t)
     min_lens = _min_lens(text_tokens_lens.to(device), prompt_text_lens, options.min_len_ratio)
+    keys = None if row_seeds is None else candidate_keys(row_seeds.to(device), n)
+    stop = should_stop
+    if should_stop is not None and n > 1:  # the hook speaks of rows, the AR decodes candidates
+        stop = lambda: None if (gone := should_stop()) is None else gone.repeat_interleave(n)  # noqa: E731
     result = ar_generate(
         model, rep(text_tokens), rep(text_tokens_lens), rep(prompt_codes[..., 0]),
         rep(prompt_lens), options, langs=None if langs is None else rep(langs),
         min_lens=None if min_lens is None else rep(min_lens), want_scores=n > 1,
+        row_keys=keys, should_stop=stop,
     )  # fmt: skip
     gen0, gen_lens = best_of_candidates(result, n) if n > 1 else result[:2]
-    _check_empty(gen_lens, options.on_empty)
-    codes = nar_generate(
+    if should_stop is not None and (gone := should_stop()) is not None:
+        gen_lens = gen_lens.masked_fill(gone.to(device), 0)
+    else:
+        _check_empty(gen_lens, options.on_empty)
+    codes = _nar_rows_with_frames(
         model, nar_tokens, nar_lens, prompt_codes, prompt_lens, gen0, gen_lens, nar_langs,
-        code_vectors=code_vectors,
+        code_vectors,
     )  # fmt: skip
     return codes, gen_lens
+
+
+def _nar_rows_with_frames(model, text, text_lens, prompt, prompt_lens, gen0, gen_lens, langs,
+                          code_vectors):
+    """``nar_generate`` on the rows that have frames (an abandoned or empty row costs nothing)."""
+    has = gen_lens > 0
+    if bool(has.all()):
+        return nar_generate(model, text, text_lens, prompt, prompt_lens, gen0, gen_lens, langs,
+                            code_vectors=code_vectors)  # fmt: skip
+    codes = gen0.new_full((*gen0.shape, model.num_quantizers), NUM_AUDIO_TOKENS)
+    rows = has.nonzero().flatten()
+    if rows.numel():
+        sub = nar_generate(model, text[rows], text_lens[rows], prompt[rows], prompt_lens[rows],
+                           gen0[rows], gen_lens[rows], None if langs is None else langs[rows],
+                           code_vectors=code_vectors)  # fmt: skip
+        codes[rows, : sub.shape[1]] = sub
+    return codes
+
+
+def candidate_keys(row_seeds: torch.Tensor, n: int) -> torch.Tensor:
+    """(B * n,) sampling keys: row b's candidate j from (seed b, j), so candidates differ and a
+    row's keys do not depend on its batch (32-bit hash of the seed, then the candidate)."""
+    base = (uniform_from_seeds(row_seeds.long(), stream=0) * 2**32).long()
+    return (base.repeat_interleave(n) << 16) + torch.arange(n, device=base.device).repeat(base.numel())
 
 
 def _min_lens(
@@ -308,6 +353,8 @@ def ar_generate(
     langs: torch.Tensor | None = None,
     min_lens: torch.Tensor | None = None,
     want_scores: bool = False,
+    row_keys: torch.Tensor | None = None,
+    should_stop: Callable[[], torch.Tensor | None] | None = None,
 ) -> ARResult:
     """Codebook 0 per row after its prompt (``prompt0`` (B, P), ``prompt_lens`` (B,)).
 
@@ -315,6 +362,10 @@ def ar_generate(
     the frames before which EOS is not allowed; ``want_scores``: also the mean
     log-likelihood per frame (EOS included when it stopped). A row whose first token is EOS
     gets length 0. A row ends at the first slot of a group that stops it.
+
+    ``row_keys`` (B,) int64: each row samples frame f from ``uniform_from_seeds`` of its key
+    and f (``options.seed`` unused); ``should_stop``: before each step, the rows to abandon
+    ((B,) bool or None): they are done from that step on, with length 0.
     """
     device, bsz = text.device, text.shape[0]
     eos = NUM_AUDIO_TOKENS
@@ -330,8 +381,11 @@ def ar_generate(
     caps = _length_caps(text_lens, options, bsz, device)
     max_new = -(-int(caps.max()) // g)  # decoding steps: G frames each
     generator = None
-    if options.seed is not None:
+    if options.seed is not None and row_keys is None:
         generator = torch.Generator(device=device).manual_seed(int(options.seed))
+    if row_keys is not None:  # 32 bits of the key, then 4 for the slot, so no int64 overflow
+        row_keys = (uniform_from_seeds(row_keys.to(device), stream=1) * 2**32).long()
+        slot_keys = (row_keys[:, None] << 4) + torch.arange(g, device=device)  # (B, G)
 
     x = model.ar_embed_text(text, text_valid, langs)
     logits, step = _start_decoding(
@@ -345,13 +399,22 @@ def ar_generate(
     score = torch.zeros(bsz, dtype=torch.float32, device=device)
     counted = torch.zeros(bsz, dtype=torch.float32, device=device)
     slot = torch.arange(g, device=device)
+    abandoned = torch.zeros(bsz, dtype=torch.bool, device=device)
     for i in range(max_new):
+        if should_stop is not None and (gone := should_stop()) is not None:
+            abandoned = abandoned | gone.to(device)
+            done = done | abandoned
+            if bool(done.all()):
+                break
         logits = logits.reshape(bsz, g, -1)  # (B, G, 1025): one distribution per frame
         frame = i * g + slot  # (G,) the frame index each slot would be
         _forbid_eos(logits, frame, caps, min_lens, options.force_len)
+        uniforms = None
+        if row_keys is not None:
+            uniforms = uniform_from_seeds(slot_keys, stream=2 + i).reshape(-1)
         tok = sample(
             logits.reshape(bsz * g, -1), top_k=options.top_k, top_p=options.top_p,
-            temperature=options.temperature, generator=generator,
+            temperature=options.temperature, generator=generator, uniforms=uniforms,
         ).view(bsz, g)  # fmt: skip
         is_eos = tok == eos
         if options.stop_rule == "argmax_or_sampled":
@@ -381,6 +444,9 @@ def ar_generate(
         step_tokens = tok.view(bsz, 1, g) if g > 1 else tok  # one column: (B, 1[, G])
         logits = step(step_tokens)
     lens = torch.where(done, lens, torch.full_like(lens, len(out) * g))
+    lens = lens.masked_fill(abandoned, 0)
+    if not out:  # every row abandoned before the first token
+        out.append(torch.full((bsz, g), eos, dtype=torch.long, device=device))
     gen = torch.cat(out, dim=1)[:, : int(lens.max())]
     scores = score / counted.clamp(min=1) if want_scores else None
     return ARResult(gen, lens, scores, ended_on_eos)

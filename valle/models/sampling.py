@@ -34,17 +34,25 @@ def sample(
     top_p: float = 1.0,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Draw one token per row from ``logits`` (B, V) -> LongTensor (B,).
 
-    ``top_k == 1`` or ``temperature <= 0`` is greedy (argmax, no randomness).
+    ``top_k == 1`` or ``temperature <= 0`` is greedy (argmax, no randomness). ``uniforms``
+    (B,) in [0, 1): each row's draw by inverse CDF from its own number (the same row gives the
+    same token in any batch); otherwise ``torch.multinomial`` with ``generator``.
     """
     logits = logits.float()
     if top_k == 1 or temperature <= 0:
         return logits.argmax(dim=-1)
     logits = filter_logits(logits / temperature, top_k=top_k, top_p=top_p)
     probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if uniforms is None:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    # the first token whose CDF exceeds u: a token of probability 0 never is
+    target = (uniforms.to(cdf)[:, None] * cdf[:, -1:]).contiguous()
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def nearest_to_expectation(logits: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,16 @@
 """The FastAPI application: a static page (static/) and a small JSON API behind it.
 
 Every error the page can cause comes back as JSON ``{"error": message, "field": name-or-null}``
-with a 4xx status, shown next to the form; a traceback only reaches the server's log.
+with a 4xx status (503 with ``Retry-After`` when the queue is full), shown next to the form; a
+traceback only reaches the server's log. ``/healthz`` and ``/metrics`` are for operators.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,12 +18,20 @@ from pathlib import Path
 import torch
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from valle.infer import InputError
+from valle.serve.batcher import QueueFull
 from valle.serve.catalog import find_checkpoints, find_prompts, resolve_checkpoint, resolve_prompt
-from valle.serve.engine import SynthesisFailed, SynthesisRequest, SynthesisService
+from valle.serve.engine import (
+    ClientGone,
+    RequestTimeout,
+    SynthesisFailed,
+    SynthesisRequest,
+    SynthesisService,
+    render_spectrogram,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,21 +58,60 @@ class PageSettings:
     default_checkpoint: Path | None = None
 
 
-def _error(status: int, message: str, field_name: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": message, "field": field_name}, status_code=status)
+CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, the log and metrics do
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _error(status: int, message: str, field_name: str | None = None, headers=None) -> JSONResponse:
+    return JSONResponse({"error": message, "field": field_name}, status_code=status, headers=headers)
+
+
+def outcome_of(exc: BaseException | None) -> str:
+    """A synthesis request's outcome for the metrics and the log (docs/inference.md)."""
+    if exc is None:
+        return "ok"
+    if isinstance(exc, (InputError, QueueFull, RequestValidationError)):
+        return "refused"
+    if isinstance(exc, (ClientGone, asyncio.CancelledError)):
+        return "dropped"
+    if isinstance(exc, RequestTimeout):
+        return "timed_out"
+    return "failed"
+
+
+def status_of(exc: BaseException) -> int:
+    """The status the error handlers below answer ``exc`` with (for the log line)."""
+    for kind, status in ((InputError, 400), (QueueFull, 503), (ClientGone, CLIENT_GONE),
+                         (RequestTimeout, 504), (SynthesisFailed, 422), (torch.OutOfMemoryError, 503)):  # fmt: skip
+        if isinstance(exc, kind):
+            return status
+    return CLIENT_GONE if isinstance(exc, asyncio.CancelledError) else 500
+
+
+def _install_error_handlers(app: FastAPI, service: SynthesisService) -> None:
     @app.exception_handler(InputError)
     async def input_error(_request: Request, exc: InputError):
         return _error(400, str(exc), getattr(exc, "field", None))
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(_request: Request, exc: QueueFull):
+        return _error(503, str(exc), headers={"Retry-After": str(exc.retry_after)})
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_request: Request, exc: ClientGone):
+        return _error(CLIENT_GONE, f"dropped: {exc}")
+
+    @app.exception_handler(RequestTimeout)
+    async def timed_out(_request: Request, exc: RequestTimeout):
+        return _error(504, f"timed out: {exc}")
 
     @app.exception_handler(SynthesisFailed)
     async def no_audio(_request: Request, exc: SynthesisFailed):
         return _error(422, f"no audio: {exc}")
 
     @app.exception_handler(RequestValidationError)
-    async def bad_form(_request: Request, exc: RequestValidationError):
+    async def bad_form(request: Request, exc: RequestValidationError):
+        if request.url.path == "/api/synthesize":  # refused before the route: counted here
+            service.metrics.observe_request("refused", 0.0, status=400, error=str(exc.errors()[0]))
         first = exc.errors()[0]
         name = str(first.get("loc", ("", "?"))[-1])
         return _error(400, f"{name}: {first.get('msg', 'invalid value')}", name)
@@ -134,9 +184,9 @@ def shown_top_k(top_k: int) -> int | str:
 
 def create_app(service: SynthesisService, settings: PageSettings) -> FastAPI:
     app = FastAPI(title="VALL-E synthesis", docs_url="/api/docs", redoc_url=None)
-    _install_error_handlers(app)
+    _install_error_handlers(app, service)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-    app.router.add_event_handler("shutdown", service.queue.shutdown)
+    app.router.add_event_handler("shutdown", service.shutdown)
 
     def checkpoints():
         return find_checkpoints(settings.exp_dir, settings.checkpoints)
@@ -159,8 +209,20 @@ def create_app(service: SynthesisService, settings: PageSettings) -> FastAPI:
             "defaults": {"language": args.language, "top_k": shown_top_k(args.top_k), "top_p": args.top_p,
                          "temperature": args.temperature, "num_candidates": args.num_candidates,
                          "seed": args.seed},  # fmt: skip
-            "queue": service.queue.pending,
+            "queue": service.batcher.depth,
         }
+
+    @app.get("/healthz")
+    async def healthz():
+        batcher = service.batcher
+        body = {"status": "ok" if batcher.alive else "synthesis thread stopped", "queue": batcher.depth,
+                "queue_limit": batcher.limit(), "running": batcher.running}  # fmt: skip
+        return JSONResponse(body, status_code=200 if batcher.alive else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = service.metrics.text()
+        return Response(body, media_type=content_type)
 
     @app.get("/api/languages")
     async def languages(checkpoint: str):
@@ -188,35 +250,51 @@ def create_app(service: SynthesisService, settings: PageSettings) -> FastAPI:
         num_candidates: int | None = Form(None),
         seed: int | None = Form(None),
     ):
-        try:
-            path = resolve_checkpoint(checkpoints(), checkpoint)
-        except InputError as e:
-            raise FieldError("checkpoint", str(e)) from e
-        if not text.strip():
-            raise FieldError("text", "type the text to synthesise")
-        uploaded = prompt is not None and bool(prompt.filename)
-        if not uploaded and not prompt_name:
-            raise FieldError("prompt", "no prompt: upload a prompt wav or choose an example prompt")
-        if not prompt_text.strip():
-            raise FieldError("prompt_text", "type the transcript of the prompt audio")
-        # FastAPI reads an empty field as not sent: the raw form tells "top_k=" (off) apart
-        top_k_value = parse_top_k("" if top_k is None and "top_k" in await request.form() else top_k)
-        if uploaded:
-            prompt_wav = await _save_upload(prompt, settings.upload_dir)
-        else:
-            prompt_wav = resolve_prompt(find_prompts(settings.prompt_dir), prompt_name).path
-        job = SynthesisRequest(path, prompt_wav, prompt_text, text, language or None,
-                               prompt_language or None, top_k_value, top_p, temperature,
-                               num_candidates, seed)  # fmt: skip
-        try:
-            result = await service.synthesize(job)
-        finally:
+        """Every request counted by outcome and logged in one line (valle.serve.metrics)."""
+
+        async def run():
+            try:
+                path = resolve_checkpoint(checkpoints(), checkpoint)
+            except InputError as e:
+                raise FieldError("checkpoint", str(e)) from e
+            if not text.strip():
+                raise FieldError("text", "type the text to synthesise")
+            uploaded = prompt is not None and bool(prompt.filename)
+            if not uploaded and not prompt_name:
+                raise FieldError("prompt", "no prompt: upload a prompt wav or choose an example prompt")
+            if not prompt_text.strip():
+                raise FieldError("prompt_text", "type the transcript of the prompt audio")
+            # FastAPI reads an empty field as not sent: the raw form tells "top_k=" (off) apart
+            top_k_value = parse_top_k("" if top_k is None and "top_k" in await request.form() else top_k)
             if uploaded:
-                shutil.rmtree(prompt_wav.parent, ignore_errors=True)
-        return {"id": result.id, "wav_url": f"/api/results/{result.id}/synthesis.wav",
-                "spectrogram_url": f"/api/results/{result.id}/spectrogram.png",
-                "duration": round(result.seconds, 3), "elapsed": round(result.elapsed, 3),
-                "waited": round(result.waited, 3), "checkpoint": checkpoint}  # fmt: skip
+                prompt_wav = await _save_upload(prompt, settings.upload_dir)
+            else:
+                prompt_wav = resolve_prompt(find_prompts(settings.prompt_dir), prompt_name).path
+            job = SynthesisRequest(path, prompt_wav, prompt_text, text, language or None,
+                                   prompt_language or None, top_k_value, top_p, temperature,
+                                   num_candidates, seed)  # fmt: skip
+            try:
+                result = await service.synthesize(job, request.is_disconnected)
+            finally:
+                if uploaded:
+                    shutil.rmtree(prompt_wav.parent, ignore_errors=True)
+            return {"id": result.id, "wav_url": f"/api/results/{result.id}/synthesis.wav",
+                    "spectrogram_url": f"/api/results/{result.id}/spectrogram.png",
+                    "duration": round(result.seconds, 3), "elapsed": round(result.elapsed, 3),
+                    "waited": round(result.waited, 3), "batch_rows": result.batch_rows,
+                    "checkpoint": checkpoint}  # fmt: skip
+
+        started, fields = time.monotonic(), {"checkpoint": checkpoint, "text_chars": len(text)}
+        try:
+            body = await run()
+        except BaseException as exc:
+            service.metrics.observe_request(outcome_of(exc), time.monotonic() - started,
+                                            status=status_of(exc), error=str(exc)[:200], **fields)  # fmt: skip
+            raise
+        service.metrics.observe_request("ok", time.monotonic() - started, status=200, id=body["id"],
+                                        waited=body["waited"], elapsed=body["elapsed"],
+                                        batch_rows=body["batch_rows"], **fields)  # fmt: skip
+        return body
 
     @app.get("/api/results/{result_id}/{name}")
     async def result_file(result_id: str, name: str):
@@ -224,6 +302,11 @@ def create_app(service: SynthesisService, settings: PageSettings) -> FastAPI:
         files = {"synthesis.wav": result.wav, "spectrogram.png": result.spectrogram} if result else {}
         if name not in files:
             return _error(404, f"no result {result_id}/{name} (results are kept for the last requests only)")
+        if name == "spectrogram.png" and not result.spectrogram.is_file():  # drawn when first asked for
+            try:
+                await asyncio.to_thread(render_spectrogram, result.wav, result.spectrogram)
+            except FileNotFoundError:  # trimmed from the store meanwhile
+                return _error(404, f"no result {result_id}/{name} (results are kept for the last requests only)")
         return FileResponse(files[name])
 
     return app

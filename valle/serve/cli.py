@@ -40,7 +40,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where wavs and spectrograms are kept (default: a temporary directory)")  # fmt: skip
     p.add_argument("--keep-results", type=int, default=50, help="results kept for playing/download")
     p.add_argument("--max-models", type=int, default=2, help="checkpoints kept loaded at once")
+    g = p.add_argument_group("load", "the queue and batching (docs/inference.md, \"Under load\")")
+    g.add_argument("--max-queue", type=_max_queue, default=None, metavar="N|auto",
+                   help="requests that may wait; more get a 503 with Retry-After (auto: about a "
+                        "minute of work at the measured speed; 64 before the first batch)")  # fmt: skip
+    g.add_argument("--request-timeout", type=float, default=120.0,
+                   help="seconds after which a request is ended, queued or decoding (0: never)")  # fmt: skip
+    g.add_argument("--max-batch", type=int, default=16,
+                   help="rows (texts) decoded together at most; 1 decodes one request at a time")  # fmt: skip
+    g.add_argument("--batch-window", type=float, default=0.01,
+                   help="seconds the synthesis thread waits after a request arrives for others to "
+                        "batch with it")  # fmt: skip
     return p
+
+
+def _max_queue(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or 'auto', got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (or 'auto'), got {n}")
+    return n
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -72,7 +95,9 @@ def create_app_from_args(args: argparse.Namespace, infer_args: argparse.Namespac
     device = torch.device(infer_args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     results_dir = args.results_dir or Path(tempfile.mkdtemp(prefix="valle-serve-"))
     service = SynthesisService(InferBackend(device, args.max_models), infer_args,
-                               ResultStore(results_dir / "results", args.keep_results))  # fmt: skip
+                               ResultStore(results_dir / "results", args.keep_results),
+                               max_queue=args.max_queue, request_timeout=args.request_timeout or None,
+                               window=args.batch_window, max_batch=args.max_batch)  # fmt: skip
     settings = PageSettings(exp_dir=args.exp_dir, checkpoints=list(args.checkpoint),
                             prompt_dir=args.prompt_dir, upload_dir=results_dir / "uploads",
                             default_checkpoint=default_checkpoint(args))  # fmt: skip

@@ -147,8 +147,9 @@ function showResult(body) {
   $("download").download = `valle-${body.id.slice(0, 8)}.wav`;
   $("spectrogram").src = body.spectrogram_url;
   const waited = body.waited > 0.05 ? `, queued ${body.waited.toFixed(1)} s` : "";
+  const batch = body.batch_rows > 1 ? `, decoded with ${body.batch_rows - 1} other text(s)` : "";
   $("result-info").textContent =
-    `${body.duration.toFixed(2)} s of audio in ${body.elapsed.toFixed(1)} s${waited} (${body.checkpoint})`;
+    `${body.duration.toFixed(2)} s of audio in ${body.elapsed.toFixed(1)} s${waited}${batch} (${body.checkpoint})`;
   $("result").hidden = false;
 }
 
@@ -157,7 +158,7 @@ $("form").addEventListener("submit", async (event) => {
   clearErrors();
   $("synthesize").disabled = true;
   $("busy").hidden = false;
-  $("busy").textContent = "synthesising (requests run one at a time)…";
+  $("busy").textContent = "synthesising…";
   try {
     showResult(await getJSON("/api/synthesize", { method: "POST", body: formData() }));
   } catch (e) {
