@@ -54,7 +54,7 @@ class UnknownLanguageError(ValueError):
 @functools.lru_cache(maxsize=1)
 def espeak_voices() -> dict[str, str]:
     """espeak's voices: code -> name (as phonemizer lists them)."""
-    from valle.data.text import configure_espeak
+    from valle.data.espeak import configure_espeak
 
     configure_espeak()
     from phonemizer.backend import EspeakBackend

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from valle.data.espeak import configure_espeak
 from valle.data.scripts import base_language, kanji_reader_available
 from valle.data.symbols import SymbolTable
 
@@ -22,24 +23,6 @@ PUNCTUATION = ';:,.!?¡¿—…"«»“”()[]{}'
 # espeak's language-switch markers such as "(zh)" or "(en-us)" (language_switch="keep-flags").
 _FLAG_RE = re.compile(r"\(([a-z]{2,3}(?:-[a-z0-9]+)*)\)")
 _SPACE_RE = re.compile(r"\s+")
-
-_espeak_lock = threading.Lock()
-_espeak_configured = False
-
-
-def configure_espeak() -> None:
-    """Point phonemizer at the libespeak-ng and data shipped by espeakng-loader (no apt step)."""
-    global _espeak_configured
-    with _espeak_lock:
-        if _espeak_configured:
-            return
-        import espeakng_loader
-        from phonemizer.backend.espeak.wrapper import EspeakWrapper
-
-        EspeakWrapper.set_library(espeakng_loader.get_library_path())
-        EspeakWrapper.set_data_path(espeakng_loader.get_data_path())
-        _espeak_configured = True
-
 
 def _quiet_phonemizer_logger() -> logging.Logger:
     # phonemizer warns "words count mismatch" on nearly every line because punctuation is

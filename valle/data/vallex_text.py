@@ -296,7 +296,7 @@ _espeak_lock = threading.Lock()
 
 @functools.cache
 def _espeak(voice: str):
-    from valle.data.text import configure_espeak
+    from valle.data.espeak import configure_espeak
 
     configure_espeak()
     from phonemizer.backend import EspeakBackend
