@@ -191,3 +191,37 @@ def test_accent_gives_every_text_token_one_language(vallex, tmp_path):
     with pytest.raises(InputError, match="--accent mix: one of en, zh, ja"):
         Synthesizer(model, tmp / "bpe_69.json", RecordingCodec(), "cpu", checkpoint_config=config,
                     accent="mix")  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_the_page_takes_npz_prompts_without_a_transcript(vallex, tmp_path, monkeypatch):
+    """An example .npz prompt is listed with nothing to play, and synthesises with no transcript;
+    an uploaded .npz is read as bin/infer.py reads it (a bad one refused on the prompt field)."""
+    from fastapi.testclient import TestClient
+
+    import valle.codec as codec
+    from valle.serve.cli import create_app_from_args, parse_args
+
+    tmp, _, _ = vallex
+    monkeypatch.setattr(codec, "codec_for_checkpoint", lambda *a, **k: RecordingCodec())
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    e = torch.load(FIXTURE / "expected.pt")
+    prompt = write_prompt(prompts / "speaker.npz", e["prompt"], e["text"][0, :5].tolist(), lang_code=2)
+    argv = ["--checkpoint", str(tmp / "vallex-checkpoint.pt"), "--prompt-dir", str(prompts),
+            "--results-dir", str(tmp_path / "results"), "--top-k", "1", "--max-len-ratio", "1",
+            "--device", "cpu", "--language", "en"]  # fmt: skip
+    client = TestClient(create_app_from_args(*parse_args(argv)), raise_server_exceptions=False)
+    options = client.get("/api/options").json()
+    assert options["prompts"] == [{"name": "speaker.npz", "transcript": "", "url": None}]
+    checkpoint = options["checkpoints"][0]["id"]
+    form = {"checkpoint": checkpoint, "text": "Hello, world!", "prompt_text": ""}
+    response = client.post("/api/synthesize", data={**form, "prompt_name": "speaker.npz"})
+    assert response.status_code == 200, response.text
+    assert client.get(response.json()["wav_url"]).content[:4] == b"RIFF"
+    uploaded = client.post("/api/synthesize", data=form,
+                           files={"prompt": ("mine.npz", prompt.read_bytes(), "application/octet-stream")})
+    assert uploaded.status_code == 200, uploaded.text
+    bad = client.post("/api/synthesize", data=form,
+                      files={"prompt": ("bad.npz", b"not an npz", "application/octet-stream")})
+    assert bad.status_code == 400 and bad.json()["field"] == "prompt" and "bad.npz" in bad.json()["error"]

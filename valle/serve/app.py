@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from valle.infer import InputError
+from valle.infer import InputError, is_prompt_file, read_prompt_file
 from valle.serve.batcher import QueueFull
 from valle.serve.catalog import find_checkpoints, find_prompts, resolve_checkpoint, resolve_prompt
 from valle.serve.engine import (
@@ -155,6 +155,12 @@ async def _write_checked_upload(upload: UploadFile, path: Path) -> None:
             out.write(chunk)
     if size == 0:
         raise FieldError("prompt", f"the prompt {name} is empty")
+    if is_prompt_file(name):  # VALL-E X's codes + text ids: read as bin/infer.py reads it
+        try:
+            read_prompt_file(str(path), "the prompt")
+        except InputError as e:
+            raise FieldError("prompt", str(e)) from e
+        return
     try:
         info = sf.info(str(path))
     except Exception as e:  # soundfile's message for "not audio" names its own reasons
@@ -204,7 +210,9 @@ def create_app(service: SynthesisService, settings: PageSettings) -> FastAPI:
         return {
             "checkpoints": [{"id": e.id} for e in entries],
             "default_checkpoint": default,
-            "prompts": [{"name": p.name, "transcript": p.transcript, "url": f"/api/prompts/{p.name}"}
+            # a VALL-E X .npz prompt has nothing to play (url null) and needs no transcript
+            "prompts": [{"name": p.name, "transcript": p.transcript,
+                         "url": f"/api/prompts/{p.name}" if p.is_audio else None}
                         for p in find_prompts(settings.prompt_dir)],  # fmt: skip
             "defaults": {"language": args.language, "top_k": shown_top_k(args.top_k), "top_p": args.top_p,
                          "temperature": args.temperature, "num_candidates": args.num_candidates,
@@ -262,7 +270,8 @@ def create_app(service: SynthesisService, settings: PageSettings) -> FastAPI:
             uploaded = prompt is not None and bool(prompt.filename)
             if not uploaded and not prompt_name:
                 raise FieldError("prompt", "no prompt: upload a prompt wav or choose an example prompt")
-            if not prompt_text.strip():
+            npz = is_prompt_file(prompt.filename if uploaded else prompt_name)
+            if not prompt_text.strip() and not npz:  # a VALL-E X .npz carries its text ids
                 raise FieldError("prompt_text", "type the transcript of the prompt audio")
             # FastAPI reads an empty field as not sent: the raw form tells "top_k=" (off) apart
             top_k_value = parse_top_k("" if top_k is None and "top_k" in await request.form() else top_k)

@@ -6,9 +6,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from valle.infer import BEST_CHECKPOINT, InputError
+from valle.infer import BEST_CHECKPOINT, PROMPT_FILE_SUFFIX, InputError, is_prompt_file
 
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg")
+PROMPT_SUFFIXES = (*AUDIO_SUFFIXES, PROMPT_FILE_SUFFIX)  # VALL-E X's .npz: codes + text ids
 TRANSCRIPT_SUFFIXES = (".txt", ".lab")
 
 
@@ -23,6 +24,11 @@ class PromptEntry:
     name: str  # file name inside --prompt-dir
     path: Path
     transcript: str  # from a sibling .txt/.lab file; empty when there is none
+
+    @property
+    def is_audio(self) -> bool:
+        """False for a VALL-E X .npz prompt: codes and text ids, nothing to play, no transcript."""
+        return not is_prompt_file(str(self.path))
 
 
 def _checkpoint_rank(path: Path) -> tuple:
@@ -65,10 +71,11 @@ def _transcript(audio: Path) -> str:
 
 
 def find_prompts(prompt_dir: Path | None) -> list[PromptEntry]:
-    """The audio files directly in ``prompt_dir``, each with its transcript when one is beside it."""
+    """The audio files (and VALL-E X .npz prompts) directly in ``prompt_dir``, each audio file
+    with its transcript when one is beside it."""
     if prompt_dir is None or not prompt_dir.is_dir():
         return []
-    files = sorted(p for p in prompt_dir.iterdir() if p.suffix.lower() in AUDIO_SUFFIXES and p.is_file())
+    files = sorted(p for p in prompt_dir.iterdir() if p.suffix.lower() in PROMPT_SUFFIXES and p.is_file())
     return [PromptEntry(p.name, p, _transcript(p)) for p in files]
 
 

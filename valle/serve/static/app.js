@@ -90,7 +90,7 @@ async function init() {
   for (const p of options.prompts) {
     const o = option(p.name);
     o.dataset.transcript = p.transcript;
-    o.dataset.url = p.url;
+    o.dataset.url = p.url || "";  // a VALL-E X .npz prompt: nothing to play
     $("prompt-name").append(o);
   }
   // an example prompt, when there is one, so that the page synthesises as it opens
@@ -120,7 +120,7 @@ $("prompt").addEventListener("change", () => {
   const file = $("prompt").files[0];
   if (!file) return;
   $("prompt-name").value = "";
-  showPrompt(URL.createObjectURL(file));
+  showPrompt(file.name.toLowerCase().endsWith(".npz") ? "" : URL.createObjectURL(file));
 });
 
 function formData() {
