@@ -23,10 +23,10 @@ def test_checkpoint_config_keeps_every_key_and_value_of_before():
     # The one difference: the model's name as ModelConfig reads it (it always lowercased it).
     assert expected.pop("model_name") == "VALLE" and config.pop("model_name") == "valle"
     # Flags added since, new keys at their defaults: --max-duration auto (issue #39), LoRA
-    # fine-tuning (issue #41), --max-failed-saves (issue #51).
+    # fine-tuning (issue #41), --max-failed-saves (issue #51), --add-language (issue #47).
     added = {"memory_budget_gb": 0.0, "memory_headroom": -1.0, "activation_checkpointing": False,
              "lora_rank": 0, "lora_alpha": 16.0, "lora_dropout": 0.0, "lora_targets": ["attn", "ffn"],
-             "max_failed_saves": 3}
+             "max_failed_saves": 3, "add_language": "", "add_language_init": "mean"}
     assert {k: config.pop(k) for k in added} == added
     assert config == expected
     json.dumps(config)  # plain types only
