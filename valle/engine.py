@@ -2,7 +2,7 @@
 at a time. ``bin/infer.py`` (``valle.infer``: a file's items in batches) and the synthesis
 server (``valle.serve.batcher``: concurrent requests gathered into batches) both decode here.
 
-What reads texts and prompts (``valle.infer.Synthesizer.prepare``, the frontend) makes
+What reads texts and prompts (``valle.synthesizer.Synthesizer.prepare``, the frontend) makes
 ``Prepared`` units; this module only decodes them. A batch may give each row its own sampling
 seed (its tokens then do not depend on the rows beside it) and a stop hook (rows whose
 requester left end at the next decoding step and come back as ``Abandoned``).

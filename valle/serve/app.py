@@ -21,7 +21,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from valle.infer import InputError, is_prompt_file, read_prompt_file
 from valle.serve.batcher import QueueFull
 from valle.serve.catalog import find_checkpoints, find_prompts, resolve_checkpoint, resolve_prompt
 from valle.serve.engine import (
@@ -32,6 +31,7 @@ from valle.serve.engine import (
     SynthesisService,
     render_spectrogram,
 )
+from valle.synthesizer import InputError, is_prompt_file, read_prompt_file
 
 logger = logging.getLogger(__name__)
 

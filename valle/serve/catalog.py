@@ -6,7 +6,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from valle.infer import BEST_CHECKPOINT, PROMPT_FILE_SUFFIX, InputError, is_prompt_file
+from valle.infer import BEST_CHECKPOINT
+from valle.synthesizer import PROMPT_FILE_SUFFIX, InputError, is_prompt_file
 
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg")
 PROMPT_SUFFIXES = (*AUDIO_SUFFIXES, PROMPT_FILE_SUFFIX)  # VALL-E X's .npz: codes + text ids

@@ -36,9 +36,6 @@ import torch
 from valle.codec.constants import SAMPLE_RATE
 from valle.engine import Failure, Prepared, codes_to_audio
 from valle.infer import (
-    InputError,
-    Item,
-    Synthesizer,
     build_vocos,
     check_text,
     decode_options,
@@ -49,6 +46,7 @@ from valle.infer import (
 )
 from valle.serve.batcher import Batcher, Cancelled, Job
 from valle.serve.metrics import ServeMetrics
+from valle.synthesizer import InputError, Item, Synthesizer
 
 logger = logging.getLogger(__name__)
 
