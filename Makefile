@@ -11,7 +11,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test smoke-newest-torch lint bench gpu-check oom-sweep clean
+.PHONY: install demo demo-long test smoke-newest-torch lint bench gpu-check oom-sweep clean
 
 install: $(STAMP)
 
@@ -25,6 +25,14 @@ $(STAMP): pyproject.toml
 
 demo: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash egs/tiny/run.sh
+
+# The demo's recipe for longer (docs/evaluation.md, "The long run"): 20,000 generated sentences,
+# 20,000 AR and 2,750 NAR steps, 16 held-out items scored, then the curve over the AR epochs.
+demo-long: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash egs/tiny/run.sh --generated 20000 \
+	    --data data/gen20k/tokenized --exp exp/long20k --ar-epochs 100 --ar-max-steps 20000 \
+	    --nar-epochs 100 --nar-max-steps 2750 --num-items 16
+	$(PY) scripts/bench_quality.py --exp exp/long20k --data data/gen20k/tokenized --reuse --every 4
 
 # Two pytest-xdist workers, each test file whole on one (its module fixtures built once; the
 # held-out corpus is built by the first worker that needs it); the 25 slowest tests are listed.
