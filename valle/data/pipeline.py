@@ -37,6 +37,7 @@ from valle.data.extremes import Extremes, extremes_path
 from valle.data.progress import Progress
 from valle.data.sharding import Shard
 from valle.data.workers import forget_cached_files, worker_init_fn
+from valle.durable import fsync_dir, publish
 
 logger = logging.getLogger("tokenizer")
 
@@ -203,29 +204,6 @@ def partial_path(path: Path) -> Path:
     return path.with_name(".tmp." + path.name)
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems refuse fsync on a directory
-        pass
-    finally:
-        os.close(fd)
-
-
-def publish(tmp: Path, path: Path) -> None:
-    """Make the complete file ``tmp`` appear as ``path``, atomically and durably: its data
-    on disk first, then the rename, then the rename itself on disk. A reader (or a resume
-    after a kill, or after a power cut) sees the whole file or none."""
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def _fsync_tree(directory: Path) -> None:
     """Every file under ``directory`` and the directories themselves on disk."""
     for p in sorted(directory.rglob("*"), reverse=True):
@@ -233,8 +211,8 @@ def _fsync_tree(directory: Path) -> None:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
         else:
-            _fsync_dir(p)
-    _fsync_dir(directory)
+            fsync_dir(p)
+    fsync_dir(directory)
 
 
 def chunk_extremes(meta: dict, chunk_cuts: Path) -> Extremes:
@@ -576,7 +554,7 @@ class PartTokenizer:
         forget_cached_files()  # the chunk's HDF5 file, read for the shards: not for the next workers
         _fsync_tree(tmp)  # on disk before the chunk's meta says it is done
         os.replace(tmp, final)
-        _fsync_dir(staging)
+        fsync_dir(staging)
         return len(written["cuts"])
 
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from valle.durable import fsync_dir
+
 __all__ = [
     "FORMAT",
     "REQUIRED_KEYS",
@@ -117,20 +119,6 @@ def _check_payload(payload: Any) -> str | None:
     return None
 
 
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; not possible on every platform.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(path: str | os.PathLike, payload: Mapping[str, Any]) -> Path:
     """Write ``payload`` to ``path`` atomically (temp file, fsync, os.replace)."""
     path = Path(path)
@@ -167,7 +155,7 @@ def atomic_save(path: str | os.PathLike, obj: Any) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
