@@ -16,6 +16,22 @@ sys.path.insert(0, str(ROOT))
 
 STAGES = (("ar", "stage1", "AR (stage 1)"), ("nar", "stage2", "NAR (stage 2)"))
 
+# Held-out PER on the 16 items (scripts/bench_quality.py) against the AR steps of the demo's model
+# and decoding, measured on the 2 cores: (AR steps, PER, the run). docs/evaluation.md, "The long
+# run", holds the same numbers with their wall times; update both together.
+MEASURED_CURVE = (
+    (2930, 0.648, "make demo"),
+    (19680, 0.541, "make demo-long"),
+)
+FURTHER = "make demo-long"
+
+
+def curve_line(ar_steps: int | None) -> str:
+    """Where a run of ``ar_steps`` AR steps stands on the measured curve, and what goes further."""
+    points = ", ".join(f"{per:.2f} at {steps} steps ({run})" for steps, per, run in MEASURED_CURVE)
+    where = f"this AR trained {ar_steps} steps" if ar_steps else "AR steps unknown"
+    return f"{where}; measured held-out PER on 16 items: {points}; further: {FURTHER}"
+
 
 def stage_dirs(exp: Path) -> list[tuple[str, Path]]:
     """(label, tensorboard dir) per stage: exp/{ar,nar}/tensorboard/stageN, or exp/tensorboard/stageN."""
@@ -93,6 +109,8 @@ def main() -> None:
               for line in f.read_text().splitlines()]
     epochs = sorted(exp.rglob("epoch-*-summary-rank0.json"))
     last = json.loads(epochs[-1].read_text()) if epochs else {}
+    ar_summary = exp / "ar" / "summary-rank0.json"
+    ar_steps = json.loads(ar_summary.read_text()).get("steps") if ar_summary.is_file() else None
     print("\n==================== demo summary ====================")
     print(f"wavs:             {len(wavs)} in {exp / 'infer'}")
     for w in wavs:
@@ -111,6 +129,7 @@ def main() -> None:
         print(f"evaluation:       {eval_path}")
     else:
         print("evaluation:       none (stage 4 did not run)")
+    print(f"on the curve:     {curve_line(ar_steps)} (docs/evaluation.md, 'The long run')")
     print(f"TensorBoard:      tensorboard --logdir {exp}   (listen: AUDIO and IMAGES tabs, runs "
           "*/samples: held-out items as training went)")
     for line in sample_lines(exp):

@@ -11,7 +11,7 @@
 # Training also synthesises a few held-out dev items every --samples-interval steps (TensorBoard's
 # AUDIO and IMAGES tabs, PER and similarity by the judge: docs/training.md, "Hear it train").
 #   egs/tiny/run.sh [--stage 0] [--stop-stage 5] [--nproc 2] [--ar-epochs 8] [--nar-epochs 2] [--quick true]
-#                   [--ar-group-size 1] [--valid-samples 4] [--samples-interval 400]
+#                   [--ar-group-size 1] [--train-voices 4] [--generated 3000] [--valid-samples 4] [--samples-interval 400]
 #                   [--exp exp/valle] [--data data/tiny/tokenized]
 set -euo pipefail
 
@@ -23,6 +23,7 @@ nar_epochs=2
 ar_max_steps=0   # >0: the AR stage also stops after this many steps
 nar_max_steps=0
 ar_group_size=1  # frames of codebook 0 per AR position (VALL-E 2's grouped code modeling)
+train_voices=4  # eSpeak voices of the training part (prepare.sh --train-voices)
 generated=3000  # more sentences, not more epochs, is what lowered held-out PER (docs/evaluation.md)
 num_items=8
 valid_samples=4  # held-out items synthesised during training (0: none)
@@ -34,7 +35,7 @@ data=data/tiny/tokenized  # under egs/tiny; stage 0 prepares it
 python=${PYTHON:-python}
 
 bilingual=false  # true: VALL-E X on English + Mandarin voices instead (egs/tiny/local/bilingual.sh; its flags there)
-options="stage stop_stage nproc ar_epochs nar_epochs ar_max_steps nar_max_steps ar_group_size generated num_items valid_samples samples_interval quick codec exp data python bilingual"
+options="stage stop_stage nproc ar_epochs nar_epochs ar_max_steps nar_max_steps ar_group_size train_voices generated num_items valid_samples samples_interval quick codec exp data python bilingual"
 . "$(dirname "${BASH_SOURCE[0]}")/../parse_options.sh"
 if [ "$bilingual" = true ]; then exec bash "$(dirname "${BASH_SOURCE[0]}")/local/bilingual.sh" --python "$python"; fi
 
@@ -54,11 +55,12 @@ log() { echo "$(date '+%F %T') [tiny run stage $1] ${*:2}"; }
 
 # A small model, trained in minutes on 2 CPU cores. The guided-attention loss makes its AR read
 # the text in order within this budget (docs/training.md; held-out PER 0.86 -> 0.77 measured).
-# Codebook 0 has 128 codes (stage 0's codec), so the AR's head predicts 129 classes, not 1025.
+# The AR's head is as wide as the corpus's codebook 0: with stage 0's offline codec 128 codes
+# (129 classes with EOS, not 1025), with EnCodec all 1024 (read from the tokenized corpus below).
+# 512 codes lowered the codec's floor and raised held-out PER (docs/results-log.md, 2026-12-08).
 first_codebook_size=128
 model=(--model-name valle --decoder-dim 128 --nhead 4 --num-decoder-layers 2 --prefix-mode 1
-       --dropout 0.0 --guided-attention-weight 1.0 --ar-codebook-size "$first_codebook_size"
-       --ar-group-size "$ar_group_size")
+       --dropout 0.0 --guided-attention-weight 1.0 --ar-group-size "$ar_group_size")
 # Decoding (scripts/bench_quality.py reads this line): top-k 3, best of 4 samples by the model's own
 # likelihood, and no EOS before 3 frames per phoneme (an undertrained model ends rows at once).
 # On one demo checkpoint these took held-out PER from 0.874 (top-k 10) to 0.753 (docs/evaluation.md).
@@ -78,8 +80,13 @@ torchrun=("$python" -m torch.distributed.run --standalone --nproc_per_node "$npr
 if [ "$stage" -le 0 ] && [ "$stop_stage" -ge 0 ]; then
   log 0 "corpus (held-out sentences and voices), codec, tokens, phoneme judge"
   PYTHON="$python" bash "$here/prepare.sh" --data-dir "$(dirname "$data")" --layout heldout \
-    --codec "$codec" --generated "$generated" --judge-epochs "$judge_epochs" --judge-limit "$judge_limit" \
+    --codec "$codec" --generated "$generated" --train-voices "$train_voices" --judge-epochs "$judge_epochs" --judge-limit "$judge_limit" \
     --first-codebook-size "$first_codebook_size" --num-jobs 0
+fi
+
+if [ "$stage" -le 2 ] && [ "$stop_stage" -ge 1 ]; then
+  ar_codebook_size=$("$python" -c "import sys; from valle.codec import first_codebook_size as f; print(f(sys.argv[1]) or 1024)" "$data")
+  model+=(--ar-codebook-size "$ar_codebook_size")
 fi
 
 if [ "$stage" -le 1 ] && [ "$stop_stage" -ge 1 ]; then

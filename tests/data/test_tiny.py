@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from valle.data.tiny import VOICES, EspeakSynth, read_sentences
+from valle.data.tiny import VOICES, EspeakSynth, Voice, read_sentences
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,6 +67,15 @@ def test_heldout_plan_keeps_test_voices_and_sentences_out_of_training():
     assert len({v.name for v in hc.training_voices(12)} | {v.name for v in hc.HELD_OUT_VOICES}) == 14
     with pytest.raises(ValueError, match="--train-voices"):
         hc.training_voices(13)
+
+
+def test_espeak_refuses_a_voice_variant_it_lacks():
+    """eSpeak NG itself falls back to the plain voice for an unknown variant, without an error:
+    a misspelt training or held-out voice would silently be another voice."""
+    engine = EspeakSynth.get()
+    with pytest.raises(ValueError, match="no voice variant 'nosuch'"):
+        engine.synthesize("hello", Voice("x", "en-us+nosuch", rate=170, pitch=50))
+    assert len(engine.synthesize("hello", Voice("x", "en-us+m7", rate=170, pitch=50))) > 1000
 
 
 def test_heldout_corpus_is_kept_when_its_plan_is_unchanged(tmp_path):
@@ -145,6 +154,10 @@ def test_demo_quick_runs_every_stage():
     assert "OOM recovered:    backward on rank 1 at step 7 (injected)" in summary
     drawn = re.search(r"cuts drawn (\d+) = trained (\d+) \+ quarantined 0 \+ skipped 0", summary)
     assert drawn and drawn.group(1) == drawn.group(2), summary
+    # Where the run stands on the measured curve, with this run's AR steps and what goes further.
+    ar_steps = json.loads((tiny / "exp" / "quick" / "ar" / "summary-rank0.json").read_text())["steps"]
+    assert f"on the curve:     this AR trained {ar_steps} steps" in summary, summary
+    assert "further: make demo-long" in summary
     evaluation = json.loads((tiny / "exp" / "quick" / "eval.json").read_text())
     assert len(evaluation["rows"]) == 2
     assert set(evaluation["summary"]) >= {"output", "ground_truth", "codec_resynthesis"}
@@ -159,3 +172,32 @@ def test_demo_quick_runs_every_stage():
                          weights_only=False)
     assert payload["config"]["ar_codebook_size"] == 128
     assert payload["model"]["ar_predict_layer.weight"].shape[0] == 129
+
+
+@pytest.mark.parametrize("codec, width", [("encodec", 1024), ("mel-rvq", 512)])
+def test_demo_ar_head_is_as_wide_as_the_corpus_codebook_0(tmp_path, codec, width):
+    """egs/tiny/run.sh gives the AR head the width of the tokenized corpus's codebook 0: all 1024
+    codes with EnCodec (the trainer refuses a narrower head), the fitted size with mel-rvq."""
+    import json
+
+    import torch
+
+    data = tmp_path / "tokenized"
+    data.mkdir()
+    record = {"codec": codec} if codec == "encodec" else {"codec": codec, "state": "mel_rvq.pt"}
+    (data / "audio_codec.json").write_text(json.dumps(record))
+    if codec == "mel-rvq":
+        torch.save({"sizes": [width] + [1024] * 7}, data / "mel_rvq.pt")
+    (tmp_path / "exp" / "ar").mkdir(parents=True)
+    (tmp_path / "exp" / "ar" / "best-valid-loss.pt").touch()  # what the NAR stage starts from
+    calls = tmp_path / "torchrun.txt"
+    fake_python = tmp_path / "python"  # records the trainer's command line instead of training
+    fake_python.write_text(f'#!/bin/sh\nif [ "$1 $2" = "-m torch.distributed.run" ]; then echo "$@" >> {calls}; '
+                           f'exit 0; fi\nexec {sys.executable} "$@"\n')
+    fake_python.chmod(0o755)
+    subprocess.run(["bash", str(ROOT / "egs/tiny/run.sh"), "--stage", "1", "--stop-stage", "2", "--data", str(data),
+                    "--exp", str(tmp_path / "exp"), "--python", str(fake_python)],
+                   check=True, timeout=120, capture_output=True)
+    ar, nar = [line.split() for line in calls.read_text().splitlines()]
+    for args in (ar, nar):
+        assert args[args.index("--ar-codebook-size") + 1] == str(width)

@@ -91,6 +91,7 @@ class EspeakSynth:
         if rate <= 0:
             raise RuntimeError(f"espeak_Initialize failed (data {data_dir})")
         self.sample_rate = rate
+        self.data_dir = data_dir
         self._chunks: list[np.ndarray] = []
         # Keep a reference: ctypes callbacks are freed when garbage collected.
         self._callback = _SynthCallback(self._on_samples)
@@ -110,6 +111,10 @@ class EspeakSynth:
 
     def synthesize(self, text: str, voice: Voice) -> np.ndarray:
         """Return int16 samples at ``self.sample_rate`` for ``text`` spoken by ``voice``."""
+        _, plus, variant = voice.name.partition("+")
+        # eSpeak falls back to the plain voice for a variant it lacks, without an error.
+        if plus and not (self.data_dir / "voices" / "!v" / variant).is_file():
+            raise ValueError(f"espeak has no voice variant {variant!r} ({voice.name!r})")
         with _LOCK:
             if self.lib.espeak_SetVoiceByName(voice.name.encode()) != 0:
                 raise ValueError(f"espeak has no voice {voice.name!r}")
